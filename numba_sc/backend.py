@@ -1,0 +1,105 @@
+"""Backend selection and the API edge where arrays move to and from the device.
+
+Two backends compute every stage:
+
+``"cuda"``
+    The ``@cuda.jit`` kernels. On a machine with a GPU they run on it, with CuPy
+    for the library pieces (sort, scan, GEMM). With ``NUMBA_ENABLE_CUDASIM=1`` set
+    *before numba is imported* the very same kernels run on the CPU under Numba's
+    CUDA simulator, one Python thread per CUDA thread, and the library pieces come
+    from NumPy: that is how the tests run on machines without a GPU, and how you
+    step through a kernel with ``pdb``.
+``"reference"``
+    The vectorized NumPy version of each stage.
+
+``backend=None`` picks ``"cuda"`` when a GPU or the simulator is active, else
+``"reference"``. Functions accept NumPy or CuPy arrays and return the kind they
+were given; arrays move between host and device only here, at the edge.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import config, cuda
+
+BACKENDS = ("cuda", "reference")
+THREADS = 256  # default threads per block for one-thread-per-element kernels
+
+
+def simulating() -> bool:
+    """True when Numba's CUDA simulator is active (NUMBA_ENABLE_CUDASIM=1)."""
+    return bool(config.ENABLE_CUDASIM)
+
+
+def gpu_present() -> bool:
+    """True when a real CUDA device can run kernels (the simulator does not count)."""
+    if simulating():
+        return False
+    try:
+        return cuda.is_available()
+    except Exception:  # a broken driver is as good as no GPU
+        return False
+
+
+def resolve_backend(backend=None) -> str:
+    """Turn the ``backend`` argument into ``"cuda"`` or ``"reference"``."""
+    if backend is None:
+        return "cuda" if (simulating() or gpu_present()) else "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "cuda" and not (simulating() or gpu_present()):
+        raise RuntimeError(
+            "backend='cuda' needs a CUDA GPU, or the simulator: set NUMBA_ENABLE_CUDASIM=1 "
+            "before numba is imported; or use backend='reference'")
+    return backend
+
+
+def is_cupy(a) -> bool:
+    return type(a).__module__.split(".")[0] == "cupy"
+
+
+def device_xp():
+    """The array library of the device side: CuPy on a GPU, NumPy under the simulator."""
+    if simulating():
+        return np
+    import cupy  # imported lazily: the reference and simulator paths need no CuPy
+
+    return cupy
+
+
+def to_device(a):
+    """Host or CuPy array -> the device side's array kind (a no-op when already there)."""
+    if a is None:
+        return None
+    return device_xp().asarray(a)
+
+
+def to_host(a):
+    """Any array -> NumPy."""
+    if a is None:
+        return None
+    return a.get() if is_cupy(a) else np.asarray(a)
+
+
+def like(a, template):
+    """Return ``a`` as the kind of array ``template`` is (NumPy or CuPy)."""
+    if a is None:
+        return None
+    if is_cupy(template):
+        return to_device(a) if not simulating() else a
+    return to_host(a)
+
+
+def blocks_for(n: int, threads: int = THREADS) -> int:
+    """Blocks needed for one thread per element; at least one so a launch is valid."""
+    return max(1, (int(n) + threads - 1) // threads)
+
+
+def launch(kernel, n: int, *args, threads: int = THREADS):
+    """Launch ``kernel`` with one thread per element of an ``n``-element range.
+
+    The single place kernels are launched, so that launch overhead can be tuned
+    (and counted) in one spot.
+    """
+    if n <= 0:
+        return
+    kernel[blocks_for(n, threads), threads](*args)

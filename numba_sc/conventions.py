@@ -1,0 +1,228 @@
+"""The conventions every stage shares: coordinates, packed keys, kernel offsets.
+
+This is the one place that defines them; every stage imports from here.
+
+Coordinates
+    int32, shape ``(N, 3)`` for one cloud (x, y, z) or ``(N, 4)`` with the batch
+    index in column 0 (b, x, y, z). Everything sorted is sorted lexicographically
+    on (batch, x, y, z).
+
+Packed keys
+    A coordinate is packed into one signed 64-bit integer so that the library sort
+    (NumPy / CuPy) can sort coordinates and a binary search can compare them with a
+    single integer comparison::
+
+        bit  63   62 ........ 54   53 ....... 36   35 ....... 18   17 ........ 0
+             0    batch (9 bits)   x + 2^17       y + 2^17        z + 2^17
+
+    Each spatial field holds the coordinate plus a bias of 2^17, so the field is
+    never negative and ``-131072 <= x <= 131071``. Because the fields are laid out
+    from most to least significant in (batch, x, y, z) order, integer order of keys
+    *is* lexicographic order of coordinates.
+
+    The second property is what lets Minuet build a query segment on the fly
+    (paper Section 5.1.1): for a kernel offset ``d = (dx, dy, dz)``::
+
+        key(q + d) == key(q) + key_delta(d),   key_delta(d) = dx*2^36 + dy*2^18 + dz
+
+    as long as every field of ``q + d`` stays inside its range (no carry from one
+    field into the next). A carry would silently turn a query into a *different*
+    coordinate, possibly one of another cloud in the batch, so :func:`pack_keys`
+    checks the range *including the kernel's reach* and raises instead of wrapping.
+
+    Worked example: ``q = (0, 1, 2)`` packs to ``(2^17 << 36) + ((2^17 + 1) << 18)
+    + (2^17 + 2)``; adding ``key_delta((0, 0, -1)) = -1`` gives the key of
+    ``(0, 1, 1)``.
+
+Kernel offsets
+    Per axis, an odd size K gives ``-(K-1)/2 .. (K-1)/2`` and an even K gives
+    ``-K/2+1 .. K/2``; the values are multiplied by the dilation and the input
+    tensor stride and listed lexicographically in (dx, dy, dz). Anisotropic kernels
+    such as ``(1, 3, 1)`` are allowed. Weights are ``(K, C_in, C_out)`` in this order.
+
+The rule
+    Output ``q`` receives input ``p`` through offset ``delta_k`` when
+    ``p = q + delta_k``: ``out[q] = sum_k in[q + delta_k] @ W[k]``.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+# ---------------------------------------------------------------- key layout
+COORD_BITS = 18
+BATCH_BITS = 9
+COORD_BIAS = 1 << (COORD_BITS - 1)  # 131072
+COORD_MIN = -COORD_BIAS  # -131072
+COORD_MAX = COORD_BIAS - 1  # 131071
+BATCH_MAX = (1 << BATCH_BITS) - 1  # 511
+SHIFT_Z = 0
+SHIFT_Y = COORD_BITS  # 18
+SHIFT_X = 2 * COORD_BITS  # 36
+SHIFT_B = 3 * COORD_BITS  # 54
+FIELD_MASK = (1 << COORD_BITS) - 1
+
+
+# ------------------------------------------------------------ argument checks
+def _is_cupy(a) -> bool:
+    return type(a).__module__.split(".")[0] == "cupy"
+
+
+def as_int_tuple(value, name: str, *, minimum: int = 1) -> tuple[int, int, int]:
+    """``3`` -> ``(3, 3, 3)``; ``(1, 3, 1)`` stays; anything else raises."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        vals = (int(value),) * 3
+    else:
+        try:
+            vals = tuple(int(v) for v in value)
+        except TypeError:
+            raise TypeError(f"{name} must be an int or a sequence of 3 ints, got {value!r}") from None
+        if len(vals) != 3 or any(float(v) != int(v) for v in value):
+            raise ValueError(f"{name} must be an int or a sequence of 3 ints, got {value!r}")
+    if any(v < minimum for v in vals):
+        raise ValueError(f"{name} must be >= {minimum} on every axis, got {value!r}")
+    return vals
+
+
+def validate_coords(coords, name: str = "coords") -> np.ndarray:
+    """Check an integer coordinate array and return it as int32 (same array kind).
+
+    Accepts any integer dtype whose values fit the packable range; floats are
+    refused (quantize them with :func:`numba_sc.voxelize` first).
+    """
+    xp = _xp_of(coords)
+    if not hasattr(coords, "dtype") or not hasattr(coords, "shape"):
+        raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(coords).__name__}")
+    if coords.ndim != 2 or coords.shape[1] not in (3, 4):
+        raise ValueError(
+            f"{name} must have shape (N, 3) or (N, 4) with the batch index in column 0, "
+            f"got {tuple(coords.shape)}")
+    if not np.issubdtype(np.dtype(coords.dtype), np.integer):
+        raise TypeError(
+            f"{name} must be an integer array (int32), got dtype {coords.dtype}; "
+            "quantize float points with numba_sc.voxelize first")
+    if coords.shape[0] == 0:
+        raise ValueError(f"{name} is empty: a sparse tensor needs at least one coordinate")
+    lo = xp.min(coords, axis=0)
+    hi = xp.max(coords, axis=0)
+    lo, hi = (np.asarray(lo.get() if _is_cupy(lo) else lo), np.asarray(hi.get() if _is_cupy(hi) else hi))
+    if coords.shape[1] == 4 and (lo[0] < 0 or hi[0] > BATCH_MAX):
+        raise ValueError(
+            f"{name}: batch indices (column 0) must lie in 0..{BATCH_MAX}, got {lo[0]}..{hi[0]}")
+    s = coords.shape[1] - 3
+    if lo[s:].min() < COORD_MIN or hi[s:].max() > COORD_MAX:
+        raise ValueError(
+            f"{name}: spatial coordinates must lie in {COORD_MIN}..{COORD_MAX} to be packed into "
+            f"64-bit keys, got {lo[s:].min()}..{hi[s:].max()}; use a larger voxel size or "
+            "re-centre the cloud")
+    return coords.astype(xp.int32, copy=False)
+
+
+def _xp_of(a):
+    if _is_cupy(a):
+        import cupy
+
+        return cupy
+    return np
+
+
+# ------------------------------------------------------------------- packing
+def check_packable(lo, hi, reach_lo=(0, 0, 0), reach_hi=(0, 0, 0), name="coords"):
+    """Raise unless ``[lo + reach_lo, hi + reach_hi]`` fits every spatial field.
+
+    ``lo``/``hi`` are per-axis (x, y, z) extremes of the coordinates, ``reach_*``
+    the most negative / most positive kernel offset per axis (all zero when only
+    the coordinates themselves are packed).
+    """
+    for axis, (l, h, rl, rh) in enumerate(zip(lo, hi, reach_lo, reach_hi)):
+        if int(l) + int(rl) < COORD_MIN or int(h) + int(rh) > COORD_MAX:
+            raise ValueError(
+                f"{name}: axis {'xyz'[axis]} spans {int(l)}..{int(h)}; with the kernel's reach "
+                f"{int(rl)}..{int(rh)} this leaves the packable range {COORD_MIN}..{COORD_MAX} "
+                "(the key would wrap into the neighbouring field). Use a larger voxel size or "
+                "re-centre the cloud")
+
+
+def pack_keys(coords, reach_lo=(0, 0, 0), reach_hi=(0, 0, 0), name="coords"):
+    """Pack int coordinates (N, 3) or (N, 4) into int64 keys (N,), vectorized.
+
+    Works on NumPy or CuPy arrays (returns the same kind). Raises if a coordinate,
+    moved by any kernel offset in ``[reach_lo, reach_hi]``, would leave its field.
+    """
+    coords = validate_coords(coords, name)
+    xp = _xp_of(coords)
+    s = coords.shape[1] - 3
+    lo = xp.min(coords[:, s:], axis=0)
+    hi = xp.max(coords[:, s:], axis=0)
+    if xp is not np:
+        lo, hi = lo.get(), hi.get()
+    check_packable(lo, hi, reach_lo, reach_hi, name)
+    c = coords.astype(xp.int64)
+    key = ((c[:, s] + COORD_BIAS) << SHIFT_X) | ((c[:, s + 1] + COORD_BIAS) << SHIFT_Y) | (
+        c[:, s + 2] + COORD_BIAS)
+    if s:
+        key |= c[:, 0] << SHIFT_B
+    return key
+
+
+def unpack_keys(keys, with_batch: bool):
+    """Inverse of :func:`pack_keys`: int64 keys (N,) -> int32 coordinates."""
+    xp = _xp_of(keys)
+    k = keys.astype(xp.int64, copy=False)
+    cols = [((k >> SHIFT_X) & FIELD_MASK) - COORD_BIAS,
+            ((k >> SHIFT_Y) & FIELD_MASK) - COORD_BIAS,
+            (k & FIELD_MASK) - COORD_BIAS]
+    if with_batch:
+        cols.insert(0, k >> SHIFT_B)
+    return xp.stack(cols, axis=1).astype(xp.int32)
+
+
+def key_delta(offsets):
+    """Signed int64 key difference of each offset (K, 3): ``dx<<36 + dy<<18 + dz``.
+
+    Sorted offsets give sorted deltas (the same lexicographic argument as for keys).
+    """
+    d = np.asarray(offsets, dtype=np.int64)
+    return d[:, 0] * (1 << SHIFT_X) + d[:, 1] * (1 << SHIFT_Y) + d[:, 2]
+
+
+# The same packing as a device function, for kernels. Kept next to the NumPy
+# version so that the two can never drift apart; tests check they agree.
+@cuda.jit(device=True, inline=True)
+def pack_key_device(b, x, y, z):
+    # Widen first: an int32 shifted left by 54 would overflow (on the device and,
+    # with NumPy scalars, under the simulator too).
+    b, x, y, z = np.int64(b), np.int64(x), np.int64(y), np.int64(z)
+    return ((b << SHIFT_B) | ((x + COORD_BIAS) << SHIFT_X)
+            | ((y + COORD_BIAS) << SHIFT_Y) | (z + COORD_BIAS))
+
+
+@cuda.jit(device=True, inline=True)
+def unpack_field_device(key, shift):
+    return ((key >> shift) & FIELD_MASK) - COORD_BIAS
+
+
+# ------------------------------------------------------------- kernel offsets
+def axis_offsets(k: int) -> np.ndarray:
+    """Offsets of one axis: odd k -> -(k-1)/2..(k-1)/2, even k -> -k/2+1..k/2."""
+    if k % 2:
+        return np.arange(-(k - 1) // 2, (k - 1) // 2 + 1)
+    return np.arange(-k // 2 + 1, k // 2 + 1)
+
+
+def kernel_offsets(kernel_size=3, dilation=1, tensor_stride=1) -> np.ndarray:
+    """The weight offsets of a kernel, int32 (K, 3), in lexicographic (dx, dy, dz) order.
+
+    >>> kernel_offsets(2).tolist()[:3]
+    [[0, 0, 0], [0, 0, 1], [0, 1, 0]]
+    >>> kernel_offsets((1, 3, 1)).tolist()
+    [[0, -1, 0], [0, 0, 0], [0, 1, 0]]
+    """
+    ks = as_int_tuple(kernel_size, "kernel_size")
+    dil = as_int_tuple(dilation, "dilation")
+    ts = as_int_tuple(tensor_stride, "tensor_stride")
+    axes = [axis_offsets(k) * d * t for k, d, t in zip(ks, dil, ts)]
+    grid = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, 3)
+    # meshgrid with indexing="ij" already enumerates dx slowest, dz fastest, and
+    # each axis is increasing, so the list is lexicographically sorted.
+    return np.ascontiguousarray(grid, dtype=np.int32)

@@ -1,0 +1,95 @@
+"""Stage 2, output coordinates: where a strided convolution puts its outputs.
+
+Paper Eq. 1: a convolution of stride ``s`` on a tensor of stride ``t`` keeps its
+coordinates at the finest voxel scale and snaps them to multiples of ``s*t``::
+
+    Q = { floor(p / (s*t)) * (s*t)  for p in P },  duplicates removed, sorted.
+
+For ``s = 1`` this is ``Q = P``. Worked example, ``s*t = 2``, one axis shown::
+
+    P:  -3  -2  -1   0   1   2   3
+    Q:  -4  -2  -2   0   0   2   2   ->  unique  [-4, -2, 0, 2]
+
+Note ``floor``, not truncation: ``-1`` goes to ``-2``, keeping every output cell
+the same size on both sides of the origin. Strides may differ per axis; the batch
+column is carried unchanged, so clouds of a batch never merge.
+
+GPU pipeline: ``downsample_pack_kernel`` (one thread per input coordinate), then
+the library sort and the unique passes of :mod:`numba_sc.sorting`, then the
+unpack kernel of voxelization. Bytes for N inputs: 12-16N read, 8N written,
+then the sort/unique traffic (~60N).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from . import conventions as cv
+from .backend import device_xp, is_cupy, launch, like, resolve_backend, to_device, to_host
+from .sorting import sort_unique_cuda, sort_unique_reference
+from .voxelization import unpack_kernel
+
+
+def _prepare(coords, stride, tensor_stride):
+    coords = cv.validate_coords(coords, "coords")
+    st = np.array(cv.as_int_tuple(stride, "stride"), dtype=np.int64) * np.array(
+        cv.as_int_tuple(tensor_stride, "tensor_stride"), dtype=np.int64)
+    # The snapped coordinates may step below the smallest input (floor), so check
+    # their range, not only the input's.
+    xp = device_xp() if is_cupy(coords) else np
+    s = coords.shape[1] - 3
+    lo = to_host(xp.min(coords[:, s:], axis=0)).astype(np.int64)
+    hi = to_host(xp.max(coords[:, s:], axis=0)).astype(np.int64)
+    cv.check_packable((lo // st) * st, (hi // st) * st, name="output coordinates")
+    return coords, st
+
+
+def output_coordinates_reference(coords, stride, tensor_stride=1):
+    """NumPy reference of :func:`output_coordinates`."""
+    coords, st = _prepare(np.asarray(coords), stride, tensor_stride)
+    s = coords.shape[1] - 3
+    q = coords.astype(np.int64)
+    q[:, s:] = (q[:, s:] // st) * st  # NumPy's // is floor division, like Python's
+    su = sort_unique_reference(cv.pack_keys(q.astype(np.int32)))
+    return cv.unpack_keys(su.keys, with_batch=bool(s))
+
+
+@cuda.jit
+def downsample_pack_kernel(coords, s, sx, sy, sz, keys):
+    """One thread per input coordinate: key of floor(c / stride) * stride.
+
+    Numba's integer ``//`` follows Python: it floors, also for negatives.
+    """
+    i = cuda.grid(1)
+    if i < coords.shape[0]:
+        b = coords[i, 0] if s == 1 else 0
+        x = (np.int64(coords[i, s]) // sx) * sx
+        y = (np.int64(coords[i, s + 1]) // sy) * sy
+        z = (np.int64(coords[i, s + 2]) // sz) * sz
+        keys[i] = cv.pack_key_device(b, x, y, z)
+
+
+def output_coordinates_cuda(coords, stride, tensor_stride=1):
+    coords, st = _prepare(coords, stride, tensor_stride)
+    xp = device_xp()
+    c = to_device(coords)
+    n, s = c.shape[0], c.shape[1] - 3
+    keys = xp.empty(n, dtype=np.int64)
+    launch(downsample_pack_kernel, n, c, s, int(st[0]), int(st[1]), int(st[2]), keys)
+    su = sort_unique_cuda(keys)
+    out = xp.empty((su.keys.shape[0], 3 + s), dtype=np.int32)
+    launch(unpack_kernel, su.keys.shape[0], su.keys, s, out)
+    return out
+
+
+def output_coordinates(coords, stride, tensor_stride=1, backend=None):
+    """Output coordinates of a convolution with ``stride`` on a tensor of ``tensor_stride``.
+
+    ``floor(c / (s*t)) * (s*t)``, de-duplicated and sorted lexicographically;
+    int32 (M, 3) or (M, 4) with the batch column kept. Strides may be per-axis.
+    """
+    if resolve_backend(backend) == "reference":
+        out = output_coordinates_reference(to_host(coords), stride, tensor_stride)
+    else:
+        out = output_coordinates_cuda(coords, stride, tensor_stride)
+    return like(out, coords)
