@@ -25,6 +25,24 @@ class KernelMap:
     table: np.ndarray  # int32 (K, |Q|): index into in_coords of out_coords[i] + offsets[k], or -1
     counts: np.ndarray  # int64 (K,): pairs per offset
     stats: dict = field(default_factory=dict)
+    kernel_size: tuple = (3, 3, 3)
+    stride: tuple = (1, 1, 1)
+    dilation: tuple = (1, 1, 1)
+    tensor_stride: tuple = (1, 1, 1)
+    out_tensor_stride: tuple = (1, 1, 1)
+
+    def transposed(self):
+        """T.in_coords = out_coords, T.out_coords = in_coords, T.offsets = -offsets[::-1],
+        T.table[K-1-k, j] = i exactly when table[k, i] = j."""
+        K = len(self.offsets)
+        t = np.full((K, len(self.in_coords)), -1, np.int32)
+        for k in range(K):
+            i = np.flatnonzero(self.table[k] >= 0)
+            t[K - 1 - k, self.table[k, i]] = i
+        return KernelMap(self.out_coords, self.in_coords, np.arange(len(self.out_coords)),
+                         np.ascontiguousarray(-self.offsets[::-1]), t, self.counts[::-1].copy(), {},
+                         self.kernel_size, self.stride, self.dilation, self.out_tensor_stride,
+                         self.tensor_stride)
 
 
 def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
@@ -46,5 +64,8 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
         pos_c = np.minimum(pos, len(src) - 1)
         hit = src[pos_c] == q
         table[k, hit] = pos_c[hit]
+    ts = cv.as_int_tuple(tensor_stride, "tensor_stride")
+    st = cv.as_int_tuple(stride, "stride")
     return KernelMap(in_sorted, np.asarray(out_coords, np.int32), in_order, offsets, table,
-                     (table >= 0).sum(1).astype(np.int64))
+                     (table >= 0).sum(1).astype(np.int64), {}, cv.as_int_tuple(kernel_size, "k"),
+                     st, cv.as_int_tuple(dilation, "d"), ts, tuple(a * b for a, b in zip(ts, st)))
