@@ -112,7 +112,7 @@ def validate_coords(coords, name: str = "coords") -> np.ndarray:
     s = coords.shape[1] - 3
     if lo[s:].min() < COORD_MIN or hi[s:].max() > COORD_MAX:
         raise ValueError(
-            f"{name}: spatial coordinates must lie in {COORD_MIN}..{COORD_MAX} to be packed into "
+            f"{name}: spatial coordinates must lie in the packable range {COORD_MIN}..{COORD_MAX} of "
             f"64-bit keys, got {lo[s:].min()}..{hi[s:].max()}; use a larger voxel size or "
             "re-centre the cloud")
     return coords.astype(xp.int32, copy=False)
