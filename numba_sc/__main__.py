@@ -1,4 +1,8 @@
-"""Command line: ``python -m numba_sc demo`` (and ``numba-sc demo`` once installed)."""
+"""Command line: ``python -m numba_sc demo`` and ``python -m numba_sc check``.
+
+``demo`` runs every stage on a scan and times kernels beside references;
+``check`` compares each stage's kernel with its reference and locates mismatches.
+"""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +34,12 @@ def main(argv=None):
     d.add_argument("--columns", type=int, default=4, help="float32 columns per point in --points (default 4)")
     d.add_argument("--voxel-size", type=float, default=0.05, help="voxel edge in metres (default 0.05)")
     d.add_argument("--crop", type=int, default=1500, help="points the simulated kernels run on (default 1500)")
+    c = sub.add_parser("check", help="compare every stage's kernel with its reference, locate mismatches")
+    c.add_argument("--points", help="KITTI-style float32 .bin file (default: a synthetic LiDAR scene)")
+    c.add_argument("--columns", type=int, default=4, help="float32 columns per point in --points (default 4)")
+    c.add_argument("--voxel-size", type=float, default=0.05, help="voxel edge in metres (default 0.05)")
+    c.add_argument("--stage", help="only the stages whose name contains this text")
+    c.add_argument("--crop", type=int, default=1500, help="points the simulated kernels run on (default 1500)")
     args = parser.parse_args(argv)
 
     if argv is None:
@@ -38,6 +48,18 @@ def main(argv=None):
         from .demo import demo
 
         return demo(args.points, args.columns, args.voxel_size, args.crop)
+    if args.command == "check":
+        from .check import run_check
+        from .demo import load_points
+        from .synthetic import lidar_scene
+
+        if args.points:
+            points, feats = load_points(args.points, args.columns)
+        else:
+            points, intensity = lidar_scene()
+            feats = intensity[:, None]
+        results = run_check(points, feats, args.voxel_size, args.stage, args.crop)
+        return 0 if all(ok for _, ok, _ in results) else 1
     return 2
 
 

@@ -26,8 +26,17 @@ THREADS = 256  # default threads per block for one-thread-per-element kernels
 
 
 def simulating() -> bool:
-    """True when Numba's CUDA simulator is active (NUMBA_ENABLE_CUDASIM=1)."""
-    return bool(config.ENABLE_CUDASIM)
+    """True when Numba's CUDA simulator is active (NUMBA_ENABLE_CUDASIM=1).
+
+    numba-cuda reads the variable into its own config when ``numba.cuda`` is first
+    imported; numba's core config may have read it earlier (a pytest plugin can
+    import numba before conftest runs), so ask numba-cuda first.
+    """
+    try:
+        from numba.cuda.core import config as cuda_config
+    except ImportError:  # older numba-cuda: one shared config
+        cuda_config = config
+    return bool(cuda_config.ENABLE_CUDASIM)
 
 
 def gpu_present() -> bool:

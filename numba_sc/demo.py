@@ -9,65 +9,11 @@ agree with the reference on the same input.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
-from .backend import gpu_present, simulating, to_host
-
-
-@dataclass
-class Stage:
-    """One pipeline stage as the demo and the checker see it."""
-
-    name: str
-    run: Callable  # run(ctx, backend) -> result
-    size: Callable  # size(result) -> str, the output size for the table
-    compare: Callable  # compare(kernel_result, reference_result) -> None or a mismatch message
-
-
-def _first_row_mismatch(a, b, what):
-    a, b = to_host(a), to_host(b)
-    if a.shape != b.shape:
-        return f"{what}: shape {a.shape} vs reference {b.shape}"
-    bad = np.flatnonzero((a != b).reshape(len(a), -1).any(axis=1)) if a.size else []
-    if len(bad):
-        i = int(bad[0])
-        return f"{what}: {len(bad)} rows differ, first row {i}: {a[i].tolist()} vs reference {b[i].tolist()}"
-    return None
-
-
-def _sync():
-    if gpu_present():
-        import cupy
-
-        cupy.cuda.Device().synchronize()
-
-
-def default_stages():
-    """The stages that exist, in pipeline order."""
-    from .output_coords import output_coordinates
-    from .voxelization import voxelize
-
-    def vox(ctx, backend):
-        return voxelize(ctx["points"], ctx["voxel_size"], ctx["features"], backend=backend)
-
-    def vox_cmp(k, r):
-        return (_first_row_mismatch(k.coords, r.coords, "coords")
-                or _first_row_mismatch(k.inverse, r.inverse, "inverse")
-                or (None if k.features is None or np.allclose(to_host(k.features), to_host(r.features), rtol=1e-5)
-                    else "features differ beyond rtol 1e-5"))
-
-    def out2(ctx, backend):
-        coords = ctx["voxels"].coords
-        return output_coordinates(coords, 2, backend=backend)
-
-    return [
-        Stage("1 voxelize", vox, lambda r: f"{len(r.coords)} voxels", vox_cmp),
-        Stage("2 output coords (s=2)", out2, lambda r: f"{len(r)} coords",
-              lambda k, r: _first_row_mismatch(k, r, "coords")),
-    ]
+from .backend import gpu_present, simulating
+from .check import default_stages, sync as _sync
 
 
 def crop_points(points, n):

@@ -53,3 +53,9 @@ def scan(request):
 @pytest.fixture
 def rng():
     return np.random.default_rng(12345)
+
+
+def pytest_configure(config):
+    # Added here, not in pyproject.toml: naming a numba warning class there makes
+    # pytest import numba before this file has switched the simulator on.
+    config.addinivalue_line("filterwarnings", "ignore::numba.core.errors.NumbaPerformanceWarning")
