@@ -54,9 +54,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import autotune as at
 from . import conventions as cv
 from . import gemm_grouping as gg
+from .autotune import cached, heuristic_tile, layer_key
 from .backend import device_xp, is_cupy, like, resolve_backend, to_device, to_host
 from .gather import check_tile, gather_cuda, gather_reference
 from .kernel_map import build_kernel_map
@@ -193,11 +193,11 @@ def resolve_tiles(tile_size, c_in, c_out, n_in, n_out, dtype, K, transposed, lay
     (gather tile dividing C_in, scatter tile dividing C_out).
     """
     if tile_size is None:
-        choice = at.cached(at.layer_key(layer, c_in, c_out, K, dtype, transposed))
+        choice = cached(layer_key(layer, c_in, c_out, K, dtype, transposed))
         if choice is not None and c_in % choice.gather == 0 and c_out % choice.scatter == 0:
             return choice.gather, choice.scatter
         item = np.dtype(dtype).itemsize
-        return at.heuristic_tile(c_in, n_in, item), at.heuristic_tile(c_out, n_out, item)
+        return heuristic_tile(c_in, n_in, item), heuristic_tile(c_out, n_out, item)
     if isinstance(tile_size, (tuple, list)):
         if len(tile_size) != 2:
             raise ValueError(f"tile_size must be an int or a pair (gather, scatter), got {tile_size!r}")

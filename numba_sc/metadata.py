@@ -80,22 +80,36 @@ class GmasPlan:
         return len(self.groups)
 
 
-def submanifold_centre(kernel_map) -> int:
-    """Index of the offset (0, 0, 0) when it maps every point to itself, else -1."""
+def submanifold_centre(kernel_map, counts=None) -> int:
+    """Index of the offset (0, 0, 0) when it maps every point to itself, else -1.
+
+    ``counts``: the map's pair counts already on the host (saves a device read).
+    """
     offsets = to_host(kernel_map.offsets)
     hits = np.flatnonzero((offsets == 0).all(axis=1))
     if len(hits) == 0:
         return -1
     c = int(hits[0])
     n_in, n_out = len(kernel_map.in_coords), len(kernel_map.out_coords)
-    counts = to_host(kernel_map.counts)
+    counts = to_host(kernel_map.counts) if counts is None else counts
     return c if (n_in == n_out == int(counts[c])) else -1
+
+
+def grouping_report(kernel_map, max_padding=gg.DEFAULT_MAX_PADDING,
+                    solo_rows=gg.DEFAULT_SOLO_ROWS, direct_centre=True) -> dict:
+    """Padding overhead and GEMM launches of a layer, offsets sorted vs map order.
+
+    See :func:`numba_sc.gemm_grouping.padding_report`; the submanifold centre (when
+    multiplied directly) is in neither count.
+    """
+    centre = submanifold_centre(kernel_map) if direct_centre else -1
+    return gg.padding_report(to_host(kernel_map.counts), centre, max_padding, solo_rows)
 
 
 def _layout(kernel_map, sort, max_padding, solo_rows, direct_centre):
     """Host part: counts -> order, groups, base rows."""
-    counts = np.asarray(to_host(kernel_map.counts), dtype=np.int64)
-    centre = submanifold_centre(kernel_map) if direct_centre else -1
+    counts = np.asarray(to_host(kernel_map.counts), dtype=np.int64)  # the one device read
+    centre = submanifold_centre(kernel_map, counts) if direct_centre else -1
     order = gg.offset_order(counts, sort, centre)
     groups = gg.make_groups(counts, order, max_padding, solo_rows)
     base = np.full(len(counts), -1, dtype=np.int64)
