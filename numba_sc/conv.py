@@ -267,6 +267,7 @@ def gmas(features, weight, plan, tiles=(1, 1), backend=None):
         gg.grouped_gemm_reference(ibuf, weight, plan.groups, obuf)
         return scatter_reference(obuf, plan.out_table, init, n_out, c_out, features.dtype)
     xp = device_xp()
+    features, weight = to_device(features), to_device(weight)  # no-ops when already there
     init = gg.matmul(features, weight[plan.centre]) if plan.centre >= 0 else None
     ibuf = gather_cuda(features, plan.in_table, plan.rows, tiles[0])
     obuf = xp.empty((plan.rows, c_out), dtype=features.dtype)  # padding rows: never read

@@ -18,6 +18,7 @@ import pytest
 import numba_sc
 from numba_sc import SparseTensor, kernel_offsets, sparse_conv3d
 from numba_sc import autotune as autotune_mod_fn  # the function
+from numba_sc.backend import to_host
 from numba_sc.conv import gmas, resolve_tiles
 from numba_sc.gather import divisors, gather_cuda, gather_reference
 from numba_sc.gemm_grouping import make_groups, offset_order, padding_report
@@ -197,16 +198,17 @@ def test_every_tile_size(rng, c_in, c_out):
     x = tensor(rng, 60, c_in, extent=5)
     km = build_kernel_map(x.coords, 3)
     plan = build_plan(km, backend="cuda")
-    ref_buf = gather_reference(x.features, plan.in_table, plan.rows)
+    in_table, out_table = to_host(plan.in_table), to_host(plan.out_table)
+    ref_buf = gather_reference(x.features, in_table, plan.rows)
     real = np.zeros(plan.rows, bool)
-    real[plan.in_table[plan.in_table >= 0]] = True  # padding rows are never written
+    real[in_table[in_table >= 0]] = True  # padding rows are never written
     for t in divisors(c_in):
-        buf = gather_cuda(x.features, plan.in_table, plan.rows, t)
+        buf = to_host(gather_cuda(x.features, plan.in_table, plan.rows, t))
         np.testing.assert_array_equal(buf[real], ref_buf[real])
     obuf = rng.standard_normal((plan.rows, c_out)).astype(np.float32)
-    want = scatter_reference(obuf, plan.out_table)
+    want = scatter_reference(obuf, out_table)
     for t in divisors(c_out):
-        got = scatter_cuda(obuf, plan.out_table, tile=t)
+        got = to_host(scatter_cuda(obuf, plan.out_table, tile=t))
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     # and end to end, for a few pairs
     w = weights(rng, 27, c_in, c_out)
@@ -256,8 +258,8 @@ def test_metadata_worked_example():
         plan = build_plan(km, max_padding=0.0, backend=bk)
         assert plan.centre == -1 and plan.rows == 5
         np.testing.assert_array_equal(plan.base, [0, 2])
-        np.testing.assert_array_equal(plan.out_table, [[0, 2], [-1, 3], [1, 4]])
-        np.testing.assert_array_equal(plan.in_table, [[1, 2], [0, 3], [-1, 4]])
+        np.testing.assert_array_equal(to_host(plan.out_table), [[0, 2], [-1, 3], [1, 4]])
+        np.testing.assert_array_equal(to_host(plan.in_table), [[1, 2], [0, 3], [-1, 4]])
 
 
 def test_grouping_padding_by_hand():
@@ -291,12 +293,13 @@ def test_metadata_kernel_matches_reference(rng):
         for sort in (True, False):
             a = build_plan(km, sort=sort, max_padding=0.3, backend="cuda")
             b = build_plan(km, sort=sort, max_padding=0.3, backend="reference")
-            np.testing.assert_array_equal(a.in_table, b.in_table)
-            np.testing.assert_array_equal(a.out_table, b.out_table)
+            out_table = to_host(a.out_table)
+            np.testing.assert_array_equal(to_host(a.in_table), b.in_table)
+            np.testing.assert_array_equal(out_table, b.out_table)
             assert a.rows == b.rows and a.centre == b.centre
             assert (a.centre >= 0) == (stride == 1)
             # every pair has exactly one row, rows are distinct
-            rows = a.out_table[a.out_table >= 0]
+            rows = out_table[out_table >= 0]
             assert len(rows) == len(np.unique(rows)) == km.counts.sum() - (
                 km.counts[a.centre] if a.centre >= 0 else 0)
 
@@ -310,7 +313,7 @@ def test_plan_variants_agree(rng):
     for kw in [dict(sort=False), dict(max_padding=0.0), dict(max_padding=5.0),
                dict(direct_centre=False), dict(solo_rows=1)]:
         plan = build_plan(km, backend="cuda", **kw)
-        assert_close(gmas(x.features, w, plan, (1, 1), backend="cuda"), want)
+        assert_close(to_host(gmas(x.features, w, plan, (1, 1), backend="cuda")), want)
 
 
 def test_kernel_map_reuse_skips_map_step(rng, monkeypatch):
