@@ -44,11 +44,12 @@ Three kinds of layer:
   ``p = q + delta_k``, ``out[p] += in[q] @ W[k]``. ``W[k]`` is indexed like the
   strided layer's weights (``kernel_offsets`` order).
 
-Bytes moved per layer, fp32, ``n`` pairs: gather writes ``4 n C_in``, the GEMMs
-read it and write ``4 n C_out`` (plus padding), the scatter reads that back:
-roughly ``8 n (C_in + C_out)`` bytes, against ``4 (|P| C_in + |Q| C_out)`` for
-the features themselves. That ratio (~20x for a KITTI 3x3x3 layer) is why the
-gather and scatter, not the GEMMs, decide the speed at small channel counts.
+Bytes moved per layer, fp32, ``n`` pairs outside the centre: the gather writes
+``4 n C_in``, the GEMMs read it and write ``4 n C_out`` (plus padding), the
+scatter reads that back: roughly ``8 n (C_in + C_out)`` bytes, against
+``4 (|P| C_in + |Q| C_out)`` for the features themselves. On SemanticKITTI at
+0.05 m (94,444 voxels, n = 190k in a 3x3x3 layer) that is 4x the feature
+traffic: the buffers, not the flops, decide the speed at small channel counts.
 """
 from __future__ import annotations
 

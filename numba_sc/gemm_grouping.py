@@ -30,6 +30,10 @@ group's members stay below ``solo_rows`` rows: a GEMM that tall fills the GPU on
 its own, so batching it buys nothing and only risks padding. Offsets with no
 pair are dropped (no launch at all).
 
+On a real scan (SemanticKITTI at 0.05 m, a 3x3x3 submanifold layer, 26 offsets
+outside the centre with 1,881 to 21,662 pairs each) the default policy gives 4
+batched GEMMs with 5.9 % padding in sorted order, against 17 in map order.
+
 Every group is one batched GEMM, ``(G, rows, C_in) @ (G, C_in, C_out)``: cuBLAS
 through ``cupy.matmul`` on the GPU, ``np.matmul`` under the simulator and in the
 reference. On the GPU the groups are issued round-robin on a pool of 4 CUDA
