@@ -14,6 +14,8 @@ the output buffer and again at the end.
 """
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import numba_sc
 from numba_sc import SparseTensor, kernel_offsets, sparse_conv3d
@@ -109,6 +111,7 @@ def check_layer(x, w, kernel_size=3, stride=1, dilation=1, tile_size=None, rtol=
     assert got.features.dtype == x.features.dtype
     assert_close(got.features, want, rtol)
     assert_close(ref.features, want, rtol)
+    assert_close(got.features, ref.features, rtol / 2)  # same sums in the same order
     return got
 
 
@@ -140,6 +143,32 @@ def test_transposed_undoes_stride2(rng, k):
     want = oracle(y.coords, y.features, x.coords, w2, -kernel_offsets(k))
     assert_close(got.features, want)
     assert_close(ref.features, want)
+
+
+def test_isolated_points(rng):
+    """No neighbours at all: only the centre product (empty buffers, no GEMM group)."""
+    c = (cloud(rng, 40, 10) * 3).astype(np.int32)  # spacing 3: nothing within reach 1
+    x = SparseTensor(c, rng.standard_normal((len(c), 3)).astype(np.float32))
+    w = weights(rng, 27, 3, 2)
+    y = check_layer(x, w, 3)
+    assert_close(y.features, x.features.astype(np.float64) @ w[13])
+    assert build_plan(y.kernel_map, backend="cuda").rows == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 60), extent=st.integers(1, 6), k=st.sampled_from([1, 2, 3, (1, 3, 1), (2, 1, 3)]),
+       s=st.sampled_from([1, 2, (1, 2, 1)]), d=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_reference_matches_oracle_property(n, extent, k, s, d, seed):
+    """Random small layers through the reference: any kernel, stride, dilation."""
+    r = np.random.default_rng(seed)
+    x = tensor(r, n, 2, extent=extent)
+    K = int(np.prod(numba_sc.conventions.as_int_tuple(k, "k")))
+    w = weights(r, K, 2, 3)
+    y = sparse_conv3d(x, w, k, s, d, backend="reference")
+    st_ = np.array(numba_sc.conventions.as_int_tuple(s, "s"))
+    np.testing.assert_array_equal(y.coords, downsampled(x.coords, st_))
+    want = oracle(x.coords, x.features, y.coords, w, kernel_offsets(k, d))
+    assert_close(y.features, want)
 
 
 def test_second_level_uses_tensor_stride(rng):
