@@ -8,14 +8,27 @@ NumPy reference and the ``@cuda.jit`` kernels, in the order of the paper:
     voxelization     1. float points -> unique voxel coordinates
     output_coords    2. Q = floor(P / s) * s
     sorting          3. library sort of packed keys; unique runs
+    kernel_map       4-6. the Map step: query segments, double-traversed binary search
+    metadata         7. pairs per offset, offset order, groups, buffer rows; in/out tables
+    gather           8. tiled gather into the input buffer (Algorithm 1)
+    gemm_grouping    9. offsets sorted by pair count, grouped into batched GEMMs
+    scatter          10. tiled scatter-sum of partial results, no atomics
+    autotune         11. tile sizes per layer (Algorithm 2)
+    conv             SparseTensor and sparse_conv3d: Map + GMaS assembled
 """
 from .backend import gpu_present, resolve_backend, simulating
 from .conventions import kernel_offsets, key_delta, pack_keys, unpack_keys
+from .autotune import TileChoice, autotune, heuristic_tile
+from .conv import SparseTensor, sparse_conv3d
+from .gemm_grouping import padding_report
+from .metadata import GmasPlan, build_plan, grouping_report
 from .output_coords import output_coordinates
 from .voxelization import Voxelization, voxelize
 
 __all__ = [
     "Voxelization", "gpu_present", "kernel_offsets", "key_delta", "output_coordinates",
     "pack_keys", "resolve_backend", "simulating", "unpack_keys", "voxelize",
+    "GmasPlan", "SparseTensor", "TileChoice", "autotune", "build_plan", "grouping_report",
+    "heuristic_tile", "padding_report", "sparse_conv3d",
 ]
 __version__ = "0.1.0"

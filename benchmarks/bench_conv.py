@@ -1,0 +1,288 @@
+#!/usr/bin/env python
+"""Benchmark one submanifold 3x3x3 layer: numba-sc (Map + GMaS) beside spconv 2.3.8.
+
+Needs a CUDA GPU with CuPy; spconv and torch are optional peers (each peer runs in
+its own try/except, and its error is printed instead of its numbers). Never run
+in CI. Example::
+
+    python benchmarks/bench_conv.py --data ../shared/data --out bench_conv.json
+
+For each dataset (SemanticKITTI voxelized at 0.05 m; 1,000,000 random unique
+voxels in a 400^3 box) and each channel pair (4->16, 32->32, ..., 256->256) it
+times, median of ``--reps`` runs after ``--warmup`` runs:
+
+* numba-sc end to end (Map + GMaS) and the GMaS step alone (given the kernel map),
+  fp32 and fp16, with the autotuned tile sizes;
+* numba-sc per stage: map, metadata, centre product, gather, GEMMs, scatter;
+* spconv ``SubMConv3d`` with ``ConvAlgo.Native`` and ``ConvAlgo.MaskImplicitGemm``,
+  fp32 and fp16, end to end (fresh tensor: its indice pairs are rebuilt) and with
+  the pairs reused (its "GMaS alone").
+
+Host time is wall clock around the call plus a synchronisation; GPU time comes
+from CUDA events recorded on the current stream around the call. A short table
+goes to stdout, everything to ``--out`` (JSON).
+"""
+import os
+
+# Numba synchronises the stream a CuPy array says it lives on every time a
+# kernel takes that array (the CUDA array interface's "sync" rule), i.e. one
+# host sync per launch. All our work is ordered on one stream (the GEMM pool
+# joins it through events), so the sync is not needed. Must be set before numba
+# is imported.
+os.environ.setdefault("NUMBA_CUDA_ARRAY_INTERFACE_SYNC", "0")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CHANNELS = [(4, 16), (32, 32), (64, 64), (128, 128), (256, 256)]
+KITTI = "semantickitti_000000.bin"
+
+
+def find_data(arg):
+    for d in [arg, ROOT.parent / "shared" / "data", ROOT / ".devdata", ROOT / "data"]:
+        if d and (Path(d) / KITTI).exists():
+            return Path(d)
+    return None
+
+
+def kitti_coords(data_dir):
+    import numba_sc
+
+    pts = np.fromfile(data_dir / KITTI, np.float32).reshape(-1, 4)
+    return numba_sc.voxelize(pts[:, :3], 0.05, backend="reference").coords
+
+
+def random_coords(n=1_000_000, box=400, seed=0):
+    """n unique voxels drawn uniformly from a box^3 grid."""
+    rng = np.random.default_rng(seed)
+    ids = np.unique(rng.integers(0, box ** 3, size=int(n * 1.1)))
+    while len(ids) < n:
+        ids = np.unique(np.concatenate([ids, rng.integers(0, box ** 3, size=n)]))
+    ids = rng.permutation(ids)[:n]
+    return np.stack([ids // (box * box), (ids // box) % box, ids % box], 1).astype(np.int32)
+
+
+def timed(fn, warmup, reps, events):
+    """Median host and GPU milliseconds of fn(). ``events`` makes (start, stop) event
+    pairs with .record(), and elapsed(start, stop) -> ms, for the library in use."""
+    make, elapsed, sync = events
+    for _ in range(warmup):
+        fn()
+    sync()
+    host, gpu = [], []
+    for _ in range(reps):
+        start, stop = make()
+        t0 = time.perf_counter()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        host.append((time.perf_counter() - t0) * 1e3)
+        gpu.append(elapsed(start, stop))
+    return {"host_ms": statistics.median(host), "gpu_ms": statistics.median(gpu),
+            "host_ms_all": host, "gpu_ms_all": gpu}
+
+
+def cupy_events():
+    import cupy
+
+    return (lambda: (cupy.cuda.Event(), cupy.cuda.Event()),
+            cupy.cuda.get_elapsed_time,
+            lambda: cupy.cuda.Device().synchronize())
+
+
+def torch_events():
+    import torch
+
+    return (lambda: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)),
+            lambda a, b: a.elapsed_time(b),
+            torch.cuda.synchronize)
+
+
+# --------------------------------------------------------------------- numba-sc
+def bench_numba_sc(coords, cin, cout, dtype, args, rec):
+    import cupy
+
+    import numba_sc
+    from numba_sc.conv import _prepare_layer
+    from numba_sc.gather import gather_cuda
+    from numba_sc.gemm_grouping import grouped_gemm_cuda, matmul
+    from numba_sc.kernel_map import build_kernel_map
+    from numba_sc.metadata import build_plan
+    from numba_sc.scatter import scatter_cuda
+
+    ev = cupy_events()
+    rng = np.random.default_rng(0)
+    feats = cupy.asarray(rng.standard_normal((len(coords), cin)).astype(dtype))
+    w = cupy.asarray((rng.standard_normal((27, cin, cout)) / np.sqrt(cin)).astype(dtype))
+    x = numba_sc.SparseTensor(cupy.asarray(coords), feats)
+    y = numba_sc.sparse_conv3d(x, w, 3, backend="cuda")
+    km = y.kernel_map
+    choice = numba_sc.autotune(x, w, kernel_map=km, rounds=5, backend="cuda")
+    tiles = (choice.gather, choice.scatter)
+    rec["tiles"] = {"gather": tiles[0], "scatter": tiles[1], "source": choice.source,
+                    "timings": {s: {str(t): v for t, v in d.items()} for s, d in choice.timings.items()}}
+    rec["grouping"] = numba_sc.grouping_report(km)
+    rec["pairs"] = int(np.asarray(numba_sc.backend.to_host(km.counts)).sum())
+    rec["end_to_end"] = timed(lambda: numba_sc.sparse_conv3d(x, w, 3, backend="cuda", tile_size=tiles),
+                              args.warmup, args.reps, ev)
+    rec["gmas"] = timed(lambda: numba_sc.sparse_conv3d(x, w, kernel_map=km, backend="cuda",
+                                                       tile_size=tiles), args.warmup, args.reps, ev)
+    # per stage, on prepared arrays
+    f, wd, km2, plan = _prepare_layer(x, w, 3, 1, 1, False, km, "cuda")
+    ibuf = gather_cuda(f, plan.in_table, plan.rows, tiles[0])
+    obuf = cupy.empty((plan.rows, cout), dtype=dtype)
+    init = matmul(f, wd[plan.centre]) if plan.centre >= 0 else None
+    stages = {
+        "map": lambda: build_kernel_map(x.coords, 3, backend="cuda"),
+        "metadata": lambda: build_plan(km, backend="cuda"),
+        "centre": (lambda: matmul(f, wd[plan.centre])) if plan.centre >= 0 else None,
+        "gather": lambda: gather_cuda(f, plan.in_table, plan.rows, tiles[0]),
+        "gemm": lambda: grouped_gemm_cuda(ibuf, wd, plan.groups, obuf),
+        # with init: the same read-add-write a real layer does (values drift; harmless)
+        "scatter": lambda: scatter_cuda(obuf, plan.out_table, init, plan.out_table.shape[0],
+                                        cout, dtype, tiles[1]),
+    }
+    rec["stages"] = {}
+    for name, fn in stages.items():
+        if fn is None:
+            continue
+        try:
+            rec["stages"][name] = timed(fn, args.warmup, args.reps, ev)
+        except Exception as e:  # one broken stage should not hide the others
+            rec["stages"][name] = {"error": repr(e)}
+    rec["gemm_launches"] = plan.launches
+    rec["buffer_rows"] = plan.rows
+    # a correctness sanity check against the NumPy reference (small channels only)
+    if cin <= 32:
+        ref = numba_sc.sparse_conv3d(
+            numba_sc.SparseTensor(coords, cupy.asnumpy(feats)), cupy.asnumpy(w), 3, backend="reference")
+        got = cupy.asnumpy(y.features).astype(np.float64)
+        want = ref.features.astype(np.float64)
+        rec["rel_err_vs_reference"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+# ----------------------------------------------------------------------- spconv
+def bench_spconv(coords, cin, cout, dtype, algo_name, args, rec):
+    import torch
+    import spconv.pytorch as spconv
+    from spconv.core import ConvAlgo
+
+    ev = torch_events()
+    tdtype = torch.float16 if dtype == np.float16 else torch.float32
+    dev = torch.device("cuda")
+    lo = coords.min(0)
+    spatial = (coords.max(0) - lo + 1).tolist()
+    idx = np.concatenate([np.zeros((len(coords), 1), np.int32), coords - lo], 1).astype(np.int32)
+    indices = torch.from_numpy(idx).to(dev)
+    rng = np.random.default_rng(0)
+    feats = torch.from_numpy(rng.standard_normal((len(coords), cin)).astype(np.float32)).to(dev, tdtype)
+    conv = spconv.SubMConv3d(cin, cout, 3, bias=False, indice_key="bench",
+                             algo=getattr(ConvAlgo, algo_name)).to(dev, tdtype).eval()
+
+    def fresh():
+        return conv(spconv.SparseConvTensor(feats, indices, spatial, 1))
+
+    with torch.no_grad():
+        out = fresh()
+        rec["end_to_end"] = timed(fresh, args.warmup, args.reps, ev)
+        pairs = out.indice_dict
+
+        def reuse():
+            t = spconv.SparseConvTensor(feats, indices, spatial, 1)
+            t.indice_dict = pairs  # the same indice_key finds its pairs: no map step
+            return conv(t)
+
+        rec["gmas"] = timed(reuse, args.warmup, args.reps, ev)
+
+
+# ------------------------------------------------------------------------ main
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--out", default="bench_conv.json")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--channels", default=",".join(f"{a}-{b}" for a, b in CHANNELS),
+                    help="e.g. 4-16,64-64")
+    ap.add_argument("--datasets", default="kitti,random")
+    ap.add_argument("--dtypes", default="float32,float16")
+    ap.add_argument("--no-spconv", action="store_true")
+    args = ap.parse_args()
+    channels = [tuple(int(v) for v in c.split("-")) for c in args.channels.split(",")]
+
+    datasets = {}
+    for name in args.datasets.split(","):
+        try:
+            if name == "kitti":
+                d = find_data(args.data)
+                if d is None:
+                    raise FileNotFoundError(f"{KITTI} not found in --data, ../shared/data or .devdata")
+                datasets[name] = kitti_coords(d)
+            elif name == "random":
+                datasets[name] = random_coords()
+        except Exception as e:
+            print(f"[dataset {name}] skipped: {e!r}")
+    try:
+        import cupy
+
+        gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    except Exception as e:
+        print(f"CuPy / GPU unavailable ({e!r}): this benchmark needs a GPU")
+        return 1
+    results = {"gpu": gpu, "reps": args.reps, "warmup": args.warmup, "runs": []}
+    print(f"GPU: {gpu}")
+    print(f"{'dataset':8} {'N':>8} {'ch':>9} {'impl':22} {'dtype':8} {'e2e host':>9} "
+          f"{'e2e gpu':>9} {'gmas host':>9} {'gmas gpu':>9}  (ms)")
+    for dname, coords in datasets.items():
+        for cin, cout in channels:
+            for dt in args.dtypes.split(","):
+                dtype = np.dtype(dt).type
+                peers = [("numba-sc", None)]
+                if not args.no_spconv:
+                    peers += [("spconv Native", "Native"), ("spconv MaskImplicitGemm", "MaskImplicitGemm")]
+                for impl, algo in peers:
+                    rec = {"dataset": dname, "n": int(len(coords)), "cin": cin, "cout": cout,
+                           "impl": impl, "dtype": dt}
+                    try:
+                        if algo is None:
+                            bench_numba_sc(coords, cin, cout, dtype, args, rec)
+                        else:
+                            bench_spconv(coords, cin, cout, dtype, algo, args, rec)
+                    except Exception as e:
+                        rec["error"] = repr(e)
+                        rec["traceback"] = traceback.format_exc()
+                        print(f"[{impl} {dname} {cin}->{cout} {dt}] failed: {e!r}")
+                    results["runs"].append(rec)
+                    if "end_to_end" in rec:
+                        e2e, gm = rec["end_to_end"], rec.get("gmas", {})
+                        print(f"{dname:8} {len(coords):8d} {cin:>4}->{cout:<4} {impl:22} {dt:8} "
+                              f"{e2e['host_ms']:9.3f} {e2e['gpu_ms']:9.3f} "
+                              f"{gm.get('host_ms', float('nan')):9.3f} {gm.get('gpu_ms', float('nan')):9.3f}")
+                    if "stages" in rec:
+                        st = " ".join(f"{k}={v['gpu_ms']:.3f}" for k, v in rec["stages"].items()
+                                      if "gpu_ms" in v)
+                        g = rec["grouping"]
+                        print(f"{'':10} stages gpu ms: {st} | tiles {rec['tiles']['gather']}/"
+                              f"{rec['tiles']['scatter']} | GEMMs {g['sorted']['launches']} "
+                              f"(pad {g['sorted']['overhead']:.1%}) vs map order "
+                              f"{g['map']['launches']} (pad {g['map']['overhead']:.1%})"
+                              + (f" | rel err {rec['rel_err_vs_reference']:.1e}"
+                                 if "rel_err_vs_reference" in rec else ""))
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"full results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Stage 11, tile-size autotuning (paper Algorithm 2), with a heuristic fallback.
+
+The gather and the scatter each take a tile size T, a divisor of their channel
+count (:mod:`numba_sc.gather` explains the trade-off: bigger tiles read the
+metadata table less often, smaller tiles give more threads). Which T is fastest
+depends on the GPU, the channels and the cloud, so Minuet measures: for each
+layer, on a few sample clouds, it times the gather with every divisor of C_in and
+the scatter with every divisor of C_out, R rounds each, keeps the fastest, and
+caches the choice so that inference pays nothing.
+
+Worked example, a layer with C_in = 4 and C_out = 6 on one sample cloud::
+
+    gather  T = 1, 2, 4         -> 31 us, 22 us, 25 us   -> T_gather  = 2
+    scatter T = 1, 2, 3, 6      -> 40 us, 28 us, 27 us, 35 us -> T_scatter = 3
+
+Cost: ``d(C_in) + d(C_out)`` timed launches per round (``d`` = number of
+divisors; 9 + 9 for 256 channels), once per layer before inference.
+
+Timing only means something on a real GPU. Under the simulator (or with the
+reference backend) :func:`autotune` uses :func:`heuristic_tile` instead, unless
+a ``timer`` is injected (how the tests exercise the search). The heuristic:
+start from the largest divisor whose tile is at most 32 bytes (8 fp32 or 16 fp16
+channels: a couple of vector loads per thread, the metadata read amortized over
+them) and shrink it while the launch would have fewer than ``2**17`` threads
+(about the number an H100 keeps resident: 132 SMs x 2048 threads / 2), so that
+small clouds still fill the GPU.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .backend import device_xp, simulating
+from .gather import divisors
+
+TARGET_THREADS = 1 << 17
+MAX_TILE_BYTES = 32
+
+
+@dataclass
+class TileChoice:
+    """Tile sizes of one layer and where they came from."""
+
+    gather: int
+    scatter: int
+    source: str  # "autotuned" | "heuristic"
+    timings: dict = field(default_factory=dict)  # {"gather": {T: s}, "scatter": {T: s}}
+
+
+_CACHE: dict = {}
+
+
+def layer_key(layer, c_in, c_out, kernel_volume, dtype, transposed):
+    """The cache key: the caller's ``layer`` name when given, else the layer's shape."""
+    if layer is not None:
+        return ("layer", layer)
+    return ("shape", int(c_in), int(c_out), int(kernel_volume), np.dtype(dtype).str, bool(transposed))
+
+
+def cached(key):
+    """The cached :class:`TileChoice` for ``key``, or None."""
+    return _CACHE.get(key)
+
+
+def clear_cache():
+    """Forget every tuned layer."""
+    _CACHE.clear()
+
+
+def heuristic_tile(channels: int, n_points: int, itemsize: int = 4) -> int:
+    """Count-based tile size (module docstring): no timing, same answer everywhere."""
+    cands = [d for d in divisors(channels) if d * itemsize <= MAX_TILE_BYTES] or [1]
+    for t in sorted(cands, reverse=True):  # largest first: fewest table reads
+        if n_points * (channels // t) >= TARGET_THREADS:
+            return t
+    return 1  # a small cloud: take all the parallelism there is
+
+
+def gpu_timer(fn, rounds: int = 5) -> float:
+    """Median GPU time of ``fn`` in seconds over ``rounds`` runs (CUDA events), after
+    one warm-up run that also compiles the kernel for this tile size."""
+    import cupy
+
+    fn()
+    times = []
+    for _ in range(rounds):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e-3)
+    return statistics.median(times)
+
+
+def search_tiles(samples, c_out, timer, rounds=5):
+    """Algorithm 2 for one layer: time every divisor, keep the fastest.
+
+    ``samples`` is a list of ``(features, plan)`` pairs on the device (features of
+    each sample cloud and its :class:`~numba_sc.metadata.GmasPlan`); ``timer(fn)``
+    returns the time of one call of ``fn`` in seconds. The time of a tile size is
+    its sum over the samples.
+    """
+    from .gather import gather_cuda
+    from .scatter import scatter_cuda
+
+    xp = device_xp()
+    c_in = samples[0][0].shape[1]
+    dtype = samples[0][0].dtype
+    obufs = [xp.zeros((plan.rows, c_out), dtype=dtype) for _, plan in samples]
+    timings = {"gather": {}, "scatter": {}}
+    for t in divisors(c_in):
+        timings["gather"][t] = sum(
+            timer(lambda f=f, p=p: gather_cuda(f, p.in_table, p.rows, t)) for f, p in samples)
+    for t in divisors(c_out):
+        timings["scatter"][t] = sum(
+            timer(lambda o=o, p=p: scatter_cuda(o, p.out_table, None, p.out_table.shape[0],
+                                                 c_out, dtype, t))
+            for (_, p), o in zip(samples, obufs))
+    best = {s: min(d, key=d.get) for s, d in timings.items()}  # ties: the smaller tile
+    return best["gather"], best["scatter"], timings
+
+
+def autotune(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False,
+             kernel_map=None, samples=None, rounds=5, timer=None, layer=None,
+             backend=None) -> TileChoice:
+    """Choose and cache the gather and scatter tile sizes of one layer (Algorithm 2).
+
+    Takes the arguments of :func:`numba_sc.sparse_conv3d`; ``samples`` are more
+    sparse tensors to tune on (default: ``[x]``; with ``kernel_map`` given, only
+    ``x``). ``layer`` names the layer in the cache; later calls of
+    ``sparse_conv3d(..., layer=same name)`` (or, without names, with the same
+    channels, kernel volume, dtype and direction) use the choice.
+
+    On a GPU the search times every divisor with CUDA events (``rounds`` runs,
+    median). Under the simulator or the reference backend timing is meaningless
+    and :func:`heuristic_tile` decides, unless ``timer(fn) -> seconds`` is given.
+    """
+    from .backend import resolve_backend
+    from .conv import _prepare_layer
+
+    bk = resolve_backend(backend)
+    tensors = [x] + list(samples or []) if kernel_map is None else [x]
+    prepared = [_prepare_layer(s, weight, kernel_size, stride, dilation, transposed,
+                               kernel_map, bk) for s in tensors]
+    feats, w, km, plan = prepared[0]
+    c_in, c_out = w.shape[1], w.shape[2]
+    key = layer_key(layer, c_in, c_out, w.shape[0], feats.dtype, transposed)
+    if timer is None and bk == "cuda" and not simulating():
+        timer = lambda fn: gpu_timer(fn, rounds)  # noqa: E731
+    if timer is None or bk == "reference":
+        n_in, n_out = feats.shape[0], len(km.out_coords)  # km: the map actually used
+        item = np.dtype(feats.dtype).itemsize
+        choice = TileChoice(heuristic_tile(c_in, n_in, item), heuristic_tile(c_out, n_out, item),
+                            "heuristic")
+    else:
+        g, s, timings = search_tiles([(f, p) for f, _, _, p in prepared], c_out, timer, rounds)
+        choice = TileChoice(g, s, "autotuned", timings)
+    _CACHE[key] = choice
+    return choice

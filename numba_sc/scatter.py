@@ -1,0 +1,110 @@
+"""Stage 10, tiled scatter: partial results in the output buffer -> output features.
+
+After the GEMMs, output i has one partial result per offset it received a pair
+through, each in its own row of the output buffer (the output table of
+:mod:`numba_sc.metadata`). The scatter sums them::
+
+    out[i] = init[i] + sum over k with out_table[i, k] >= 0 of obuf[out_table[i, k]]
+
+where ``init`` is the submanifold centre's product ``F @ W[centre]`` (or zero).
+
+One thread per (channel tile, output point), mirroring the gather: the thread
+owns its tile of its output, accumulates the K partial results in registers and
+writes the tile once. No other thread touches that tile, so there are no atomics
+and the sum is taken in a fixed order (offset order): the result is
+deterministic, run after run. Sums are accumulated in fp32 also for fp16 data.
+
+Worked example, ``C_out = 2``, ``T = 1``, output 3 with table row ``[4, -1, 9]``::
+
+    thread (output 3, tile 0): acc = init[3, 0] + obuf[4, 0] + obuf[9, 0]; out[3, 0] = acc
+    thread (output 3, tile 1): acc = init[3, 1] + obuf[4, 1] + obuf[9, 1]; out[3, 1] = acc
+
+Napkin math, fp32: every pair's row is read once (``4 * pairs * C_out``), the
+table ``C_out/T`` times (``4|Q|K * C_out/T``), the output written once
+(``4|Q|C_out``, plus the same read when a centre product is added).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32
+
+from .backend import device_xp, launch, resolve_backend, to_device
+from .gather import check_tile
+
+
+# ------------------------------------------------------------------ reference
+def scatter_reference(obuf, out_table, init=None, n_out=None, channels=None, dtype=None):
+    """NumPy version: add each valid (output, offset) entry's row, offset by offset.
+
+    Sums in fp32 (float64 for float64 buffers) and rounds once, like the kernel.
+    """
+    obuf = np.asarray(obuf)
+    n_out = out_table.shape[0] if n_out is None else n_out
+    dtype = np.dtype(dtype or obuf.dtype)
+    acc_t = np.float64 if dtype == np.float64 else np.float32
+    acc = np.zeros((n_out, obuf.shape[1] if channels is None else channels), dtype=acc_t)
+    if init is not None:
+        acc += np.asarray(init, dtype=acc_t)
+    for k in range(out_table.shape[1]):  # the kernel's summation order
+        ii = np.flatnonzero(out_table[:, k] >= 0)
+        acc[ii] += obuf[out_table[ii, k]].astype(acc_t)
+    return acc.astype(dtype)
+
+
+# -------------------------------------------------------------------- kernels
+@lru_cache(maxsize=None)
+def scatter_kernel(tile: int):
+    """The scatter kernel compiled for one tile size (constant: the tile is in registers)."""
+
+    @cuda.jit
+    def scatter(obuf, out_table, has_init, out):
+        t = cuda.grid(1)
+        tiles = out.shape[1] // tile
+        if t < out.shape[0] * tiles:
+            q = t // tiles
+            c0 = (t - q * tiles) * tile
+            acc = cuda.local.array(tile, float32)  # fp32 accumulator, fp16 data or not
+            for c in range(tile):
+                acc[c] = float32(0.0)
+                if has_init:  # ``out`` already holds the centre product: read, add, write
+                    acc[c] = out[q, c0 + c]
+            for k in range(out_table.shape[1]):
+                row = out_table[q, k]  # shared by all tiles of q
+                if row >= 0:
+                    for c in range(tile):
+                        acc[c] += obuf[row, c0 + c]
+            for c in range(tile):
+                out[q, c0 + c] = acc[c]  # the only write of this tile: no atomics
+
+    return scatter
+
+
+def scatter_cuda(obuf, out_table, init=None, n_out=None, channels=None, dtype=None, tile=1):
+    """Device version: one launch of :func:`scatter_kernel`.
+
+    When ``init`` (|Q|, C_out) is given it is used as the output array itself
+    (summed into in place), saving a separate addition.
+    """
+    xp = device_xp()
+    ot = to_device(out_table)
+    n_out = ot.shape[0] if n_out is None else n_out
+    channels = obuf.shape[1] if channels is None else channels
+    if init is not None:
+        out = to_device(init)
+    else:
+        out = xp.empty((n_out, channels), dtype=dtype or obuf.dtype)
+    launch(scatter_kernel(tile), n_out * (channels // tile), to_device(obuf), ot,
+           init is not None, out)
+    return out
+
+
+def scatter(obuf, out_table, init=None, tile=1, backend=None, n_out=None, channels=None,
+            dtype=None):
+    """Sum each output's partial results; returns (|Q|, C_out) features."""
+    channels = obuf.shape[1] if channels is None else channels
+    tile = check_tile(tile, channels, "tile_size", "output channels")
+    if resolve_backend(backend) == "reference":
+        return scatter_reference(obuf, np.asarray(out_table), init, n_out, channels, dtype)
+    return scatter_cuda(obuf, out_table, init, n_out, channels, dtype, tile)

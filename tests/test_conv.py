@@ -1,0 +1,460 @@
+"""The GMaS step and the full sparse convolution.
+
+Every layer is checked three ways: the kernels (backend="cuda", under the CUDA
+simulator here), the NumPy reference, and a float64 oracle written below from
+the definition alone (a dictionary of input coordinates; for every output q and
+offset d, if q + d is an input, add its features times W[d]). Nothing of the
+package but ``kernel_offsets`` (the documented weight order) is used by the oracle.
+
+Tolerances: float32 results must match the oracle to 1e-5 of the result's norm
+(fp32 rounding of sums of ~27 products); float16 (features, weights, buffers,
+output in half precision; sums in fp32) to 5e-3 of the norm: half precision keeps
+11 significant bits (unit roundoff 4.9e-4), and a partial result is rounded in
+the output buffer and again at the end.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import numba_sc
+from numba_sc import SparseTensor, kernel_offsets, sparse_conv3d
+from numba_sc import autotune as autotune_mod_fn  # the function
+from numba_sc.backend import to_host
+from numba_sc.conv import gmas, resolve_tiles
+from numba_sc.gather import divisors, gather_cuda, gather_reference
+from numba_sc.gemm_grouping import make_groups, offset_order, padding_report
+from numba_sc.kernel_map import build_kernel_map
+from numba_sc.metadata import build_plan
+from numba_sc.scatter import scatter_cuda, scatter_reference
+
+from conftest import crop, load_scan
+
+RTOL32 = 1e-5
+RTOL16 = 5e-3
+
+
+# ------------------------------------------------------------------- helpers
+def oracle(in_coords, in_feats, out_coords, weight, offsets):
+    """float64 ``out[q] = sum_k in[q + offsets[k]] @ W[k]`` by dictionary lookups.
+
+    Coordinates may carry a batch column (N, 4): offsets move x, y, z only.
+    """
+    s = in_coords.shape[1] - 3
+    where = {tuple(c): j for j, c in enumerate(np.asarray(in_coords).tolist())}
+    f = np.asarray(in_feats, dtype=np.float64)
+    w = np.asarray(weight, dtype=np.float64)
+    out = np.zeros((len(out_coords), w.shape[2]))
+    pairs = [([], []) for _ in offsets]
+    for i, q in enumerate(np.asarray(out_coords).tolist()):
+        for k, d in enumerate(np.asarray(offsets).tolist()):
+            p = tuple(q[:s]) + (q[s] + d[0], q[s + 1] + d[1], q[s + 2] + d[2])
+            j = where.get(p)
+            if j is not None:
+                pairs[k][0].append(i)
+                pairs[k][1].append(j)
+    for k, (ii, jj) in enumerate(pairs):  # the arithmetic vectorized, per offset
+        if ii:
+            np.add.at(out, np.array(ii), f[np.array(jj)] @ w[k])
+    return out
+
+
+def downsampled(coords, st):
+    """Expected output coordinates of a strided layer: floor(P / st) * st, unique, sorted."""
+    c = np.array(coords, dtype=np.int64)
+    s = c.shape[1] - 3
+    c[:, s:] = np.floor_divide(c[:, s:], st) * st
+    return np.unique(c, axis=0).astype(np.int32)  # np.unique sorts rows lexicographically
+
+
+def rel_err(got, want):
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+def assert_close(got, want, rtol=RTOL32):
+    assert got.shape == want.shape
+    err = rel_err(got, want)
+    assert err <= rtol, f"relative error {err:.3g} > {rtol}"
+
+
+def cloud(rng, n, extent=8, batch=0):
+    """About n unique random voxels in an extent^3 box (batch > 0: (N, 4) coords)."""
+    c = rng.integers(0, extent, size=(n, 3))
+    if batch:
+        c = np.concatenate([rng.integers(0, batch, size=(n, 1)), c], axis=1)
+    c = np.unique(c, axis=0)
+    return c[rng.permutation(len(c))].astype(np.int32)  # unsorted, as a user may pass
+
+
+def tensor(rng, n, c_in, extent=8, batch=0, dtype=np.float32):
+    c = cloud(rng, n, extent, batch)
+    return SparseTensor(c, rng.standard_normal((len(c), c_in)).astype(dtype))
+
+
+def weights(rng, K, c_in, c_out, dtype=np.float32):
+    return (rng.standard_normal((K, c_in, c_out)) / np.sqrt(c_in)).astype(dtype)
+
+
+def check_layer(x, w, kernel_size=3, stride=1, dilation=1, tile_size=None, rtol=RTOL32):
+    """Kernel == reference == oracle for one forward layer; returns the kernel output."""
+    got = sparse_conv3d(x, w, kernel_size, stride, dilation, backend="cuda", tile_size=tile_size)
+    ref = sparse_conv3d(x, w, kernel_size, stride, dilation, backend="reference")
+    st = np.array(numba_sc.conventions.as_int_tuple(stride, "s")) * np.array(x.stride)
+    want_coords = x.coords if stride == 1 else downsampled(x.coords, st)
+    np.testing.assert_array_equal(got.coords, want_coords)
+    np.testing.assert_array_equal(ref.coords, want_coords)
+    assert got.stride == tuple(int(v) for v in st) == ref.stride
+    offs = kernel_offsets(kernel_size, dilation, x.stride)
+    want = oracle(x.coords, x.features, want_coords, w, offs)
+    assert got.features.dtype == x.features.dtype
+    assert_close(got.features, want, rtol)
+    assert_close(ref.features, want, rtol)
+    assert_close(got.features, ref.features, rtol / 2)  # same sums in the same order
+    return got
+
+
+# -------------------------------------------------------- layers, three ways
+@pytest.mark.parametrize("k", [3, 5])
+def test_submanifold(rng, k):
+    x = tensor(rng, 220 if k == 3 else 120, 4)
+    check_layer(x, weights(rng, k ** 3, 4, 6), k)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_downsample_stride2(rng, k):
+    x = tensor(rng, 200, 3)
+    y = check_layer(x, weights(rng, k ** 3, 3, 5), k, stride=2)
+    assert len(y) < len(x)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_transposed_undoes_stride2(rng, k):
+    x = tensor(rng, 180, 3)
+    y = sparse_conv3d(x, weights(rng, k ** 3, 3, 4), k, stride=2, backend="cuda")
+    w2 = weights(rng, k ** 3, 4, 2)
+    got = sparse_conv3d(y, w2, transposed=True, kernel_map=y.kernel_map, backend="cuda")
+    ref = sparse_conv3d(y, w2, transposed=True, kernel_map=y.kernel_map, backend="reference")
+    np.testing.assert_array_equal(got.coords, x.coords)
+    assert got.stride == x.stride == (1, 1, 1)
+    # Read backwards: out[p] += in[q] @ W[k] whenever p = q + delta_k, i.e. the oracle
+    # with inputs on Q and offsets -delta_k.
+    want = oracle(y.coords, y.features, x.coords, w2, -kernel_offsets(k))
+    assert_close(got.features, want)
+    assert_close(ref.features, want)
+
+
+def test_isolated_points(rng):
+    """No neighbours at all: only the centre product (empty buffers, no GEMM group)."""
+    c = (cloud(rng, 40, 10) * 3).astype(np.int32)  # spacing 3: nothing within reach 1
+    x = SparseTensor(c, rng.standard_normal((len(c), 3)).astype(np.float32))
+    w = weights(rng, 27, 3, 2)
+    y = check_layer(x, w, 3)
+    assert_close(y.features, x.features.astype(np.float64) @ w[13])
+    assert build_plan(y.kernel_map, backend="cuda").rows == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 60), extent=st.integers(1, 6), k=st.sampled_from([1, 2, 3, (1, 3, 1), (2, 1, 3)]),
+       s=st.sampled_from([1, 2, (1, 2, 1)]), d=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_reference_matches_oracle_property(n, extent, k, s, d, seed):
+    """Random small layers through the reference: any kernel, stride, dilation."""
+    r = np.random.default_rng(seed)
+    x = tensor(r, n, 2, extent=extent)
+    K = int(np.prod(numba_sc.conventions.as_int_tuple(k, "k")))
+    w = weights(r, K, 2, 3)
+    y = sparse_conv3d(x, w, k, s, d, backend="reference")
+    st_ = np.array(numba_sc.conventions.as_int_tuple(s, "s"))
+    np.testing.assert_array_equal(y.coords, downsampled(x.coords, st_))
+    want = oracle(x.coords, x.features, y.coords, w, kernel_offsets(k, d))
+    assert_close(y.features, want)
+
+
+def test_second_level_uses_tensor_stride(rng):
+    """Two stride-2 layers: the second's offsets are scaled by the tensor stride 2."""
+    x = tensor(rng, 250, 2, extent=12)
+    y = sparse_conv3d(x, weights(rng, 8, 2, 3), 2, stride=2, backend="reference")
+    assert y.stride == (2, 2, 2)
+    check_layer(y, weights(rng, 27, 3, 2), 3, stride=2)
+
+
+def test_dilation2(rng):
+    check_layer(tensor(rng, 220, 3), weights(rng, 27, 3, 4), 3, dilation=2)
+
+
+def test_anisotropic_kernel(rng):
+    check_layer(tensor(rng, 200, 3), weights(rng, 3, 3, 4), (1, 3, 1))
+
+
+@pytest.mark.parametrize("c", [1, 3, 16, 33])
+def test_channel_counts(rng, c):
+    # tiles: the largest divisor up to 11 for the gather, the smallest > 1 for the scatter
+    tg = max(d for d in divisors(c) if d <= 11)
+    ts = min([d for d in divisors(c) if d > 1] or [1])
+    check_layer(tensor(rng, 80, c, extent=6), weights(rng, 27, c, c), 3, tile_size=(tg, ts))
+
+
+def test_fp16(rng):
+    x = tensor(rng, 200, 8, dtype=np.float16)
+    got = check_layer(x, weights(rng, 27, 8, 8, np.float16), 3, rtol=RTOL16)
+    assert got.features.dtype == np.float16
+
+
+def test_fp16_downsample(rng):
+    x = tensor(rng, 200, 4, dtype=np.float16)
+    check_layer(x, weights(rng, 8, 4, 4, np.float16), 2, stride=2, rtol=RTOL16)
+
+
+def test_batches_do_not_mix(rng):
+    # Two clouds with the same spatial coordinates: a layer must keep them apart.
+    c = cloud(rng, 120, 6)
+    coords = np.concatenate([np.c_[np.zeros(len(c), np.int32), c], np.c_[np.ones(len(c), np.int32), c]])
+    f = rng.standard_normal((len(coords), 3)).astype(np.float32)
+    x = SparseTensor(coords, f)
+    w = weights(rng, 27, 3, 4)
+    y = check_layer(x, w, 3)
+    # each batch alone gives the same rows
+    half = SparseTensor(x.coords[x.coords[:, 0] == 1][:, 1:], x.features[x.coords[:, 0] == 1])
+    alone = sparse_conv3d(half, w, backend="reference")
+    assert_close(y.features[y.coords[:, 0] == 1], alone.features)
+    check_layer(x, weights(rng, 8, 3, 2), 2, stride=2)
+
+
+@pytest.mark.parametrize("c_in,c_out", [(12, 6)])
+def test_every_tile_size(rng, c_in, c_out):
+    """Gather with every divisor of C_in and scatter with every divisor of C_out."""
+    x = tensor(rng, 60, c_in, extent=5)
+    km = build_kernel_map(x.coords, 3)
+    plan = build_plan(km, backend="cuda")
+    in_table, out_table = to_host(plan.in_table), to_host(plan.out_table)
+    ref_buf = gather_reference(x.features, in_table, plan.rows)
+    real = np.zeros(plan.rows, bool)
+    real[in_table[in_table >= 0]] = True  # padding rows are never written
+    for t in divisors(c_in):
+        buf = to_host(gather_cuda(x.features, plan.in_table, plan.rows, t))
+        np.testing.assert_array_equal(buf[real], ref_buf[real])
+    obuf = rng.standard_normal((plan.rows, c_out)).astype(np.float32)
+    want = scatter_reference(obuf, out_table)
+    for t in divisors(c_out):
+        got = to_host(scatter_cuda(obuf, plan.out_table, tile=t))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # and end to end, for a few pairs
+    w = weights(rng, 27, c_in, c_out)
+    want = oracle(x.coords, x.features, x.coords, w, kernel_offsets(3))
+    for tiles in [(1, 1), (4, 3), (12, 6), 2, 3]:
+        got = sparse_conv3d(x, w, backend="cuda", tile_size=tiles)
+        assert_close(got.features, want)
+
+
+# ---------------------------------------------------------------- real scans
+def test_full_kitti_reference():
+    """A 3x3x3 submanifold layer, 4 -> 8 channels, on the whole SemanticKITTI scan."""
+    pts = load_scan("semantickitti")
+    vox = numba_sc.voxelize(pts[:, :3], 0.05, pts, backend="reference")
+    assert len(vox) == 94444
+    x = SparseTensor(vox.coords, vox.features.astype(np.float32))
+    w = weights(np.random.default_rng(1), 27, 4, 8)
+    y = sparse_conv3d(x, w, backend="reference")
+    want = oracle(x.coords, x.features, x.coords, w, kernel_offsets(3))
+    assert_close(y.features, want)
+    rep = numba_sc.grouping_report(y.kernel_map)
+    # Sorting the offsets by pair count never needs more launches than map order.
+    assert rep["sorted"]["launches"] <= rep["map"]["launches"]
+    assert rep["sorted"]["overhead"] <= 0.25
+
+
+def test_scan_crops_through_kernels(scan, rng):
+    name, pts, voxel = scan
+    part = crop(pts, 600, seed=3)
+    vox = numba_sc.voxelize(part[:, :3], voxel, part[:, 3:], backend="reference")
+    x = SparseTensor(vox.coords, vox.features.astype(np.float32))
+    c_in = x.channels
+    check_layer(x, weights(rng, 27, c_in, 4), 3)
+    check_layer(x, weights(rng, 8, c_in, 4), 2, stride=2)
+
+
+# ------------------------------------------------------------- metadata, plan
+def test_metadata_worked_example():
+    """The example in metadata's docstring, exactly, on both backends."""
+    from types import SimpleNamespace
+
+    km = SimpleNamespace(
+        table=np.array([[1, -1, 0], [0, 1, 2]], np.int32), counts=np.array([2, 3]),
+        offsets=np.array([[0, 0, -1], [0, 0, 1]], np.int32),
+        in_coords=np.zeros((3, 3), np.int32), out_coords=np.zeros((3, 3), np.int32))
+    for bk in ("reference", "cuda"):
+        plan = build_plan(km, max_padding=0.0, backend=bk)
+        assert plan.centre == -1 and plan.rows == 5
+        np.testing.assert_array_equal(plan.base, [0, 2])
+        np.testing.assert_array_equal(to_host(plan.out_table), [[0, 2], [-1, 3], [1, 4]])
+        np.testing.assert_array_equal(to_host(plan.in_table), [[1, 2], [0, 3], [-1, 4]])
+
+
+def test_grouping_padding_by_hand():
+    counts = np.array([9, 2, 8, 3, 9, 2])
+    np.testing.assert_array_equal(offset_order(counts), [1, 5, 3, 2, 0, 4])
+    groups = make_groups(counts, offset_order(counts), max_padding=0.25)
+    assert [g.members for g in groups] == [(1, 5), (3,), (2, 0, 4)]
+    assert [(g.rows, g.start) for g in groups] == [(2, 0), (3, 4), (9, 7)]
+    rep = padding_report(counts, max_padding=0.25)
+    assert rep["sorted"] == dict(real_rows=33, padding_rows=1, total_rows=34,
+                                 overhead=1 / 33, launches=3)
+    assert rep["map"] == dict(real_rows=33, padding_rows=0, total_rows=33, overhead=0.0,
+                              launches=6)
+    # A looser policy groups more: everything in one GEMM, padded to 9 rows each.
+    rep = padding_report(counts, max_padding=1.0)
+    assert rep["sorted"]["launches"] == 2  # [2 2 3] (pads 2 of 7), then [8 9 9]
+    one = padding_report(counts, max_padding=10.0)["sorted"]
+    assert one["launches"] == 1 and one["padding_rows"] == 6 * 9 - 33
+    # Empty offsets and the centre (skip) are dropped; solo_rows keeps big ones alone.
+    rep = padding_report(np.array([0, 5, 5, 100, 5]), skip=3, max_padding=0.1)
+    assert rep["sorted"] == dict(real_rows=15, padding_rows=0, total_rows=15, overhead=0.0,
+                                 launches=1)
+    solo = make_groups(np.array([50, 50, 50]), [0, 1, 2], max_padding=0.1, solo_rows=50)
+    assert len(solo) == 3
+
+
+def test_metadata_kernel_matches_reference(rng):
+    x = tensor(rng, 200, 1)
+    for ks, stride in [(3, 1), (2, 2)]:
+        km = build_kernel_map(x.coords, ks, stride)
+        for sort in (True, False):
+            a = build_plan(km, sort=sort, max_padding=0.3, backend="cuda")
+            b = build_plan(km, sort=sort, max_padding=0.3, backend="reference")
+            out_table = to_host(a.out_table)
+            np.testing.assert_array_equal(to_host(a.in_table), b.in_table)
+            np.testing.assert_array_equal(out_table, b.out_table)
+            assert a.rows == b.rows and a.centre == b.centre
+            assert (a.centre >= 0) == (stride == 1)
+            # every pair has exactly one row, rows are distinct
+            rows = out_table[out_table >= 0]
+            assert len(rows) == len(np.unique(rows)) == km.counts.sum() - (
+                km.counts[a.centre] if a.centre >= 0 else 0)
+
+
+def test_plan_variants_agree(rng):
+    """Sorted or map order, grouped or not, centre direct or through the buffers."""
+    x = tensor(rng, 150, 3)
+    w = weights(rng, 27, 3, 3)
+    km = build_kernel_map(x.coords, 3)
+    want = oracle(x.coords, x.features, x.coords, w, kernel_offsets(3))
+    for kw in [dict(sort=False), dict(max_padding=0.0), dict(max_padding=5.0),
+               dict(direct_centre=False), dict(solo_rows=1)]:
+        plan = build_plan(km, backend="cuda", **kw)
+        assert_close(to_host(gmas(x.features, w, plan, (1, 1), backend="cuda")), want)
+
+
+def test_kernel_map_reuse_skips_map_step(rng, monkeypatch):
+    x = tensor(rng, 150, 3)
+    w1, w2 = weights(rng, 27, 3, 4), weights(rng, 27, 4, 2)
+    y = sparse_conv3d(x, w1, backend="cuda")
+
+    def no_map(*a, **k):
+        raise AssertionError("the Map step ran again")
+
+    monkeypatch.setattr(numba_sc.conv, "build_kernel_map", no_map)
+    z = sparse_conv3d(y, w2, kernel_map=y.kernel_map, backend="cuda")
+    want = oracle(y.coords, y.features, y.coords, w2, kernel_offsets(3))
+    assert_close(z.features, want)
+    assert z.kernel_map is y.kernel_map
+
+
+# --------------------------------------------------------- the check can fail
+def test_cross_check_catches_one_wrong_row(rng):
+    x = tensor(rng, 150, 4)
+    w = weights(rng, 27, 4, 4)
+    y = sparse_conv3d(x, w, backend="cuda")
+    want = oracle(x.coords, x.features, x.coords, w, kernel_offsets(3))
+    assert_close(y.features, want)
+    bad = y.features.copy()
+    bad[len(bad) // 2, 1] += 0.01 * np.abs(want).max()  # one channel of one row
+    with pytest.raises(AssertionError, match="relative error"):
+        assert_close(bad, want)
+    swapped = y.features.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]  # two rows exchanged: right values, wrong place
+    with pytest.raises(AssertionError):
+        assert_close(swapped, want)
+
+
+# ------------------------------------------------------------ SparseTensor
+def test_sparse_tensor_sorts_once(rng):
+    c = cloud(rng, 50)
+    f = rng.standard_normal((len(c), 2)).astype(np.float32)
+    x = SparseTensor(c, f, stride=2)
+    keys = numba_sc.pack_keys(x.coords)
+    assert (np.diff(keys) > 0).all()
+    np.testing.assert_array_equal(x.coords, c[x.order])
+    np.testing.assert_array_equal(x.features, f[x.order])
+    assert x.stride == (2, 2, 2) and x.kernel_map is None and len(x) == len(c)
+
+
+# ---------------------------------------------------------------- bad input
+def test_bad_inputs(rng):
+    x = tensor(rng, 60, 4)
+    w = weights(rng, 27, 4, 4)
+    with pytest.raises(ValueError, match="coords must be unique"):
+        SparseTensor(np.zeros((2, 3), np.int32), np.zeros((2, 1), np.float32))
+    with pytest.raises(ValueError, match="one feature row per coordinate"):
+        SparseTensor(x.coords, x.features[:-1])
+    with pytest.raises(TypeError, match="float32 or float16"):
+        SparseTensor(x.coords, x.features.astype(np.float64))
+    with pytest.raises(ValueError, match=r"weight must have shape \(K, C_in, C_out\) = \(27, 4"):
+        sparse_conv3d(x, weights(rng, 8, 4, 4))
+    with pytest.raises(ValueError, match="4 input channels"):
+        sparse_conv3d(x, weights(rng, 27, 3, 4))
+    with pytest.raises(TypeError, match=r"weight.astype\(np.float32\)"):
+        sparse_conv3d(x, w.astype(np.float16))
+    with pytest.raises(ValueError, match="transposed=True needs kernel_map="):
+        sparse_conv3d(x, w, transposed=True)
+    with pytest.raises(ValueError, match="does not divide the input channels"):
+        sparse_conv3d(x, w, tile_size=3)
+    with pytest.raises(ValueError, match="not the output channels"):
+        sparse_conv3d(x, weights(rng, 27, 4, 6), tile_size=4)
+    with pytest.raises(ValueError, match=r"tile_size\[1\] \(scatter\)=4 does not divide"):
+        sparse_conv3d(x, weights(rng, 27, 4, 6), tile_size=(4, 4))
+    y = sparse_conv3d(x, weights(rng, 8, 4, 4), 2, stride=2, backend="reference")
+    with pytest.raises(ValueError, match="kernel_map does not fit x"):
+        sparse_conv3d(x, w, kernel_map=y.kernel_map, transposed=True)
+    with pytest.raises(TypeError, match="SparseTensor"):
+        sparse_conv3d(x.features, w)
+
+
+# ---------------------------------------------------------------- autotune
+def test_autotune_search_with_injected_timer(rng):
+    from numba_sc.autotune import cached, clear_cache, layer_key
+
+    clear_cache()
+    x = tensor(rng, 40, 4, extent=5)
+    w = weights(rng, 27, 4, 6)
+    script = iter([3.0, 1.0, 2.0,  # gather T = 1, 2, 4 -> 2
+                   5.0, 4.0, 1.0, 6.0])  # scatter T = 1, 2, 3, 6 -> 3
+    calls = []
+
+    def timer(fn):
+        fn()  # runs the kernel (simulator) with that tile size
+        calls.append(1)
+        return next(script)
+
+    choice = autotune_mod_fn(x, w, layer="enc1", timer=timer, backend="cuda")
+    assert (choice.gather, choice.scatter, choice.source) == (2, 3, "autotuned")
+    assert sorted(choice.timings["gather"]) == [1, 2, 4] and len(calls) == 7
+    assert cached(layer_key("enc1", 4, 6, 27, np.float32, False)) is choice
+    assert resolve_tiles(None, 4, 6, len(x), len(x), np.float32, 27, False, "enc1") == (2, 3)
+    y = sparse_conv3d(x, w, backend="cuda", layer="enc1")  # runs with the tuned tiles
+    assert_close(y.features, oracle(x.coords, x.features, x.coords, w, kernel_offsets(3)))
+    # Without a timer, under the simulator: the heuristic, no timing.
+    h = autotune_mod_fn(x, w, layer="enc2", backend="cuda")
+    assert h.source == "heuristic" and h.timings == {}
+    assert 4 % h.gather == 0 and 6 % h.scatter == 0
+    clear_cache()
+
+
+def test_heuristic_tile():
+    from numba_sc.autotune import heuristic_tile
+
+    assert heuristic_tile(64, 10) == 1  # tiny cloud: all the parallelism
+    assert heuristic_tile(64, 1_000_000) == 8  # big cloud: 32-byte tiles
+    assert heuristic_tile(64, 1_000_000, itemsize=2) == 16
+    assert heuristic_tile(33, 1_000_000) == 3
+    assert heuristic_tile(64, 20_000) == 8 and heuristic_tile(64, 5_000) == 2
