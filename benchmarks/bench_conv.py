@@ -24,12 +24,8 @@ goes to stdout, everything to ``--out`` (JSON).
 """
 import os
 
-# Numba synchronises the stream a CuPy array says it lives on every time a
-# kernel takes that array (the CUDA array interface's "sync" rule), i.e. one
-# host sync per launch. All our work is ordered on one stream (the GEMM pool
-# joins it through events), so the sync is not needed. Must be set before numba
-# is imported.
-os.environ.setdefault("NUMBA_CUDA_ARRAY_INTERFACE_SYNC", "0")
+# (numba_sc.backend.launch switches off Numba's per-launch host sync on CuPy
+# arguments itself, so the benchmark measures what a user gets.)
 
 import argparse  # noqa: E402
 import json  # noqa: E402

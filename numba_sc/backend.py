@@ -21,6 +21,11 @@ from __future__ import annotations
 import numpy as np
 from numba import config, cuda
 
+try:  # numba-cuda keeps its own config (newer releases); older ones share numba's
+    from numba.cuda.core import config as _cuda_config
+except ImportError:  # pragma: no cover
+    _cuda_config = config
+
 BACKENDS = ("cuda", "reference")
 THREADS = 256  # default threads per block for one-thread-per-element kernels
 
@@ -32,11 +37,7 @@ def simulating() -> bool:
     imported; numba's core config may have read it earlier (a pytest plugin can
     import numba before conftest runs), so ask numba-cuda first.
     """
-    try:
-        from numba.cuda.core import config as cuda_config
-    except ImportError:  # older numba-cuda: one shared config
-        cuda_config = config
-    return bool(cuda_config.ENABLE_CUDASIM)
+    return bool(_cuda_config.ENABLE_CUDASIM)
 
 
 def gpu_present() -> bool:
@@ -103,12 +104,50 @@ def blocks_for(n: int, threads: int = THREADS) -> int:
     return max(1, (int(n) + threads - 1) // threads)
 
 
-def launch(kernel, n: int, *args, threads: int = THREADS):
+_EXTERNAL_STREAMS = {}
+
+
+def _launch_stream():
+    """The stream a kernel must run on to stay ordered with the CuPy work around it.
+
+    CuPy enqueues on its *current* stream (the legacy default stream unless the
+    caller chose another); Numba launches on stream 0, the same legacy default
+    stream. When the caller has made another CuPy stream current, launch on it
+    (wrapped once per stream, as creating the wrapper costs host time).
+    """
+    if simulating():
+        return 0
+    import cupy
+
+    ptr = cupy.cuda.get_current_stream().ptr
+    if ptr == 0:
+        return 0
+    if ptr not in _EXTERNAL_STREAMS:
+        _EXTERNAL_STREAMS[ptr] = cuda.external_stream(ptr)
+    return _EXTERNAL_STREAMS[ptr]
+
+
+def launch(kernel, n: int, *args, threads: int = THREADS, blocks: int | None = None):
     """Launch ``kernel`` with one thread per element of an ``n``-element range.
 
     The single place kernels are launched, so that launch overhead can be tuned
-    (and counted) in one spot.
+    (and counted) in one spot. ``blocks`` overrides the grid size for kernels that
+    are not one-thread-per-element (e.g. one block per query block).
+
+    By default Numba *synchronizes the host* with the stream a CuPy argument
+    advertises (``__cuda_array_interface__["stream"]``) before every launch, so
+    the host would wait for the GPU at each kernel. Our kernels run on the very
+    stream the CuPy work is queued on (:func:`_launch_stream`), so the order is
+    already guaranteed by the stream itself: that check is switched off around
+    our own launches only, and the host keeps queueing work ahead of the GPU.
     """
     if n <= 0:
         return
-    kernel[blocks_for(n, threads), threads](*args)
+    grid = blocks if blocks is not None else blocks_for(n, threads)
+    stream = _launch_stream()
+    previous = _cuda_config.CUDA_ARRAY_INTERFACE_SYNC
+    _cuda_config.CUDA_ARRAY_INTERFACE_SYNC = 0
+    try:
+        kernel[grid, threads, stream](*args)
+    finally:
+        _cuda_config.CUDA_ARRAY_INTERFACE_SYNC = previous
