@@ -65,12 +65,54 @@ def default_stages():
         coords = ctx["voxels"].coords
         return output_coordinates(coords, 2, backend=backend)
 
+    def conv_layer(ctx, backend):
+        from .conv import SparseTensor, sparse_conv3d
+
+        x = SparseTensor(ctx["voxels"].coords, ctx["conv_features"])
+        return sparse_conv3d(x, ctx["conv_weight"], kernel_size=3, backend=backend)
+
+    def plan(ctx, backend):
+        from .kernel_map import build_kernel_map
+        from .metadata import build_plan
+
+        km = build_kernel_map(ctx["voxels"].coords, 3, backend="reference")
+        return build_plan(km, backend=backend)
+
+    def plan_cmp(k, r):
+        return (_first_table_mismatch(k.in_table, r.in_table, "input table (point, offset)")
+                or _first_table_mismatch(k.out_table, r.out_table, "output table (point, offset)"))
+
+    def conv_cmp(k, r):
+        a, b = to_host(k.features).astype(np.float64), to_host(r.features).astype(np.float64)
+        if a.shape != b.shape:
+            return f"features: shape {a.shape} vs reference {b.shape}"
+        err = np.abs(a - b).max(axis=1) / (np.abs(b).max() + 1e-30)
+        if err.max() > 1e-5:
+            i = int(np.argmax(err > 1e-5))
+            return (f"output {i} at {to_host(r.coords)[i].tolist()}: {a[i, :4].round(5).tolist()}... "
+                    f"vs reference {b[i, :4].round(5).tolist()}... (relative error {err[i]:.1e})")
+        return None
+
     return [
         Stage("1 voxelize", vox, lambda r: f"{len(r.coords)} voxels", vox_cmp),
         Stage("2 output coords (s=2)", out2, lambda r: f"{len(r)} coords",
               lambda k, r: _first_row_mismatch(k, r, "coords")),
+        Stage("7 metadata tables", plan, lambda r: f"{r.rows} buffer rows", plan_cmp),
+        Stage("8-10 gather, GEMM, scatter (3x3x3, 8->8)", conv_layer,
+              lambda r: f"{len(r.coords)} x {r.features.shape[1]}", conv_cmp),
     ]
 
+
+def _first_table_mismatch(a, b, what):
+    """First (row, column) where two 2-D integer tables differ, or None."""
+    a, b = to_host(a), to_host(b)
+    if a.shape != b.shape:
+        return f"{what}: shape {a.shape} vs reference {b.shape}"
+    bad = np.argwhere(a != b)
+    if len(bad):
+        i, k = bad[0].tolist()
+        return f"{what}: {len(bad)} entries differ, first [{i}, {k}]: {a[i, k]} vs reference {b[i, k]}"
+    return None
 
 
 def run_check(points, features, voxel_size, stage=None, crop=1500, stages=None, log=print):

@@ -30,6 +30,11 @@ def _context(points, features, voxel_size):
 
     ctx = {"points": points, "features": features, "voxel_size": voxel_size}
     ctx["voxels"] = voxelize(points, voxel_size, features, backend="reference")
+    # Inputs for the convolution stages: fixed pseudo-random features and weights
+    # (8 -> 8 channels, so that tiles of 1, 2, 4 and 8 channels all divide them).
+    rng = np.random.default_rng(0)
+    ctx["conv_features"] = rng.standard_normal((len(ctx["voxels"].coords), 8)).astype(np.float32)
+    ctx["conv_weight"] = (rng.standard_normal((27, 8, 8)) / np.sqrt(27 * 8)).astype(np.float32)
     return ctx
 
 
