@@ -77,10 +77,15 @@ def device_xp():
 
 
 def to_device(a):
-    """Host or CuPy array -> the device side's array kind (a no-op when already there)."""
+    """Host or CuPy array -> the device side's array kind, C-contiguous.
+
+    A no-op when the array is already there and contiguous. Kernels index rows
+    with plain strides, so a column slice such as ``scan[:, :3]`` is copied once
+    here rather than refused later.
+    """
     if a is None:
         return None
-    return device_xp().asarray(a)
+    return device_xp().ascontiguousarray(a)
 
 
 def to_host(a):

@@ -145,3 +145,12 @@ def test_key_packing_limits_are_the_documented_ones():
     assert ns.voxelize(pts, 1.0, backend="reference").coords.tolist() == [[cv.COORD_MAX, cv.COORD_MIN, 0]]
     with pytest.raises(ValueError, match="packable"):
         ns.voxelize(pts + [1, 0, 0], 1.0, backend="cuda")
+
+
+def test_column_slices_are_accepted(rng):
+    """A (N, 4) scan sliced to x, y, z is not contiguous; both backends take it."""
+    scan = rng.normal(size=(300, 4)).astype(np.float32)
+    k = ns.voxelize(scan[:, :3], 0.5, scan[:, 3:], backend="cuda")
+    r = ns.voxelize(scan[:, :3], 0.5, scan[:, 3:], backend="reference")
+    assert np.array_equal(k.coords, r.coords)
+    np.testing.assert_allclose(k.features, r.features, rtol=1e-6)
