@@ -102,9 +102,14 @@ def scatter_cuda(obuf, out_table, init=None, n_out=None, channels=None, dtype=No
 
 def scatter(obuf, out_table, init=None, tile=1, backend=None, n_out=None, channels=None,
             dtype=None):
-    """Sum each output's partial results; returns (|Q|, C_out) features."""
+    """Sum each output's partial results (plus ``init``, if given); returns (|Q|, C_out).
+
+    ``init`` is never modified: the kernel path sums into a copy of it.
+    """
     channels = obuf.shape[1] if channels is None else channels
     tile = check_tile(tile, channels, "tile_size", "output channels")
     if resolve_backend(backend) == "reference":
         return scatter_reference(obuf, np.asarray(out_table), init, n_out, channels, dtype)
+    if init is not None:
+        init = to_device(init).copy()  # scatter_cuda sums into its init in place
     return scatter_cuda(obuf, out_table, init, n_out, channels, dtype, tile)

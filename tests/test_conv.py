@@ -458,3 +458,15 @@ def test_heuristic_tile():
     assert heuristic_tile(64, 1_000_000, itemsize=2) == 16
     assert heuristic_tile(33, 1_000_000) == 3
     assert heuristic_tile(64, 20_000) == 8 and heuristic_tile(64, 5_000) == 2
+
+
+def test_public_scatter_leaves_init_untouched():
+    from numba_sc.scatter import scatter
+
+    obuf = np.arange(12, dtype=np.float32).reshape(6, 2)
+    table = np.array([[0, 3], [1, -1], [2, 5]], dtype=np.int32)
+    init = np.ones((3, 2), np.float32)
+    for backend in ("cuda", "reference"):
+        out = np.asarray(scatter(obuf, table, init, backend=backend))
+        assert np.array_equal(init, np.ones((3, 2), np.float32))
+        assert np.array_equal(out, 1 + np.array([[6, 8], [2, 3], [14, 16]], np.float32))
