@@ -111,7 +111,7 @@ def forward_search_kernel(B: int):
             return  # surplus block of the upper-bound launch; the whole block leaves together
         k = rows[r, 0]
         j = rows[r, 1]
-        first = j * B  # global sorted index of the source block's first key
+        first = np.int64(j) * B  # global sorted index of the source block's first key
         n = min(B, skeys.shape[0] - first)  # the last source block may be short
         source = cuda.shared.array(B, int64)  # B is a compile-time constant here
         for t in range(cuda.threadIdx.x, n, cuda.blockDim.x):
