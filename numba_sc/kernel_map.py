@@ -143,13 +143,13 @@ def _layer(kernel_size, stride, dilation, tensor_stride):
     return ks, st, dil, ts, offsets, deltas
 
 
-def _check_out_coords(out_coords, in_coords):
-    out_coords = cv.validate_coords(out_coords, "out_coords")
-    if out_coords.shape[1] != in_coords.shape[1]:
+def _check_columns(in_coords, out_coords):
+    """Inputs and outputs must agree on the batch column (shapes only: no device read)."""
+    a, b = getattr(in_coords, "shape", ()), getattr(out_coords, "shape", ())
+    if out_coords is not None and len(a) == 2 and len(b) == 2 and a[1] != b[1]:
         raise ValueError(
-            f"out_coords has {out_coords.shape[1]} columns but in_coords has {in_coords.shape[1]}; "
-            "both must be (N, 3), or both (N, 4) with the batch index in column 0")
-    return out_coords
+            f"out_coords has {b[1]} columns but in_coords has {a[1]}; both must be (N, 3), "
+            "or both (N, 4) with the batch index in column 0")
 
 
 def _duplicate_error(name, n):
@@ -159,13 +159,18 @@ def _duplicate_error(name, n):
 
 
 def _sorted_keys(coords, reach, name, sort, count_duplicates):
-    """Pack (with the kernel's reach when these keys become queries), sort, check unique."""
+    """Pack (with the kernel's reach when these keys become queries), sort, check unique.
+
+    ``pack_keys`` validates the array (shape, integer dtype, range), so nothing
+    else needs to read the coordinates first. Returns the sorted keys, the order
+    and the coordinates in that order as int32.
+    """
     keys = cv.pack_keys(coords, reach[0], reach[1], name=name)
     skeys, order = sort(keys)
     n = int(count_duplicates(skeys))  # on the device path: one small device->host read
     if n:
         raise _duplicate_error(name, n)
-    return skeys, order
+    return skeys, order, coords.astype(np.int32, copy=False)[order]
 
 
 def _prepare(in_coords, out_coords, st, offsets, xp, sort, count_duplicates):
@@ -177,15 +182,14 @@ def _prepare(in_coords, out_coords, st, offsets, xp, sort, count_duplicates):
     reach = (offsets.min(axis=0), offsets.max(axis=0))
     no_reach = ((0, 0, 0), (0, 0, 0))
     submanifold = out_coords is None and st == (1, 1, 1)
-    skeys, in_order = _sorted_keys(in_coords, reach if submanifold else no_reach, "in_coords",
-                                   sort, count_duplicates)
-    in_sorted = in_coords[in_order]
+    skeys, in_order, in_sorted = _sorted_keys(in_coords, reach if submanifold else no_reach,
+                                              "in_coords", sort, count_duplicates)
     if submanifold:  # one sorted array is both the source and the query array
-        return skeys, in_order, in_sorted, skeys, in_sorted, xp.arange(len(skeys), dtype=np.int64)
+        return skeys, in_order, in_sorted, skeys, in_sorted, xp.arange(skeys.shape[0], dtype=np.int64)
     if out_coords is None:
         return skeys, in_order, in_sorted, None, None, None  # outputs made by the caller of _prepare
-    qkeys, out_order = _sorted_keys(out_coords, reach, "out_coords", sort, count_duplicates)
-    return skeys, in_order, in_sorted, qkeys, out_coords[out_order], out_order
+    qkeys, out_order, out_sorted = _sorted_keys(out_coords, reach, "out_coords", sort, count_duplicates)
+    return skeys, in_order, in_sorted, qkeys, out_sorted, out_order
 
 
 # ------------------------------------------------------------------ reference
@@ -194,9 +198,8 @@ def build_kernel_map_reference(in_coords, kernel_size=3, stride=1, dilation=1, t
     """The Map step in vectorized NumPy, with the comparisons of both searches counted."""
     B, C = check_block_sizes(source_block, query_block)
     ks, st, dil, ts, offsets, deltas = _layer(kernel_size, stride, dilation, tensor_stride)
-    in_coords = cv.validate_coords(to_host(in_coords), "in_coords")
-    if out_coords is not None:
-        out_coords = _check_out_coords(to_host(out_coords), in_coords)
+    in_coords, out_coords = to_host(in_coords), to_host(out_coords)
+    _check_columns(in_coords, out_coords)
     skeys, in_order, in_sorted, qkeys, out_sorted, out_order = _prepare(
         in_coords, out_coords, st, offsets, np, sort_keys_reference, count_duplicates_reference)
     if qkeys is None:  # strided layer, default outputs: already sorted and unique
@@ -239,9 +242,8 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     B, C = check_block_sizes(source_block, query_block)
     ks, st, dil, ts, offsets, deltas = _layer(kernel_size, stride, dilation, tensor_stride)
     xp = device_xp()
-    in_coords = cv.validate_coords(to_device(in_coords), "in_coords")
-    if out_coords is not None:
-        out_coords = _check_out_coords(to_device(out_coords), in_coords)
+    in_coords, out_coords = to_device(in_coords), to_device(out_coords)
+    _check_columns(in_coords, out_coords)
     skeys, in_order, in_sorted, qkeys, out_sorted, out_order = _prepare(
         in_coords, out_coords, st, offsets, xp, sort_keys_cuda, count_duplicates_cuda)
     if qkeys is None:
