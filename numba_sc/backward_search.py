@@ -15,7 +15,8 @@ where ``bounds[k, j + 1]`` is the *upper bound* of ``pivot[j]`` in segment ``k``
 (the first query greater than the pivot) and ``bounds[k, 0] = 0``. Queries after
 ``bounds[k, nblocks]`` are greater than every input and cannot match.
 
-Worked example, B = 2, plain integers for keys::
+Worked example, plain integers for keys and B = 2 to keep it small
+(:func:`numba_sc.build_kernel_map` asks for 32..4096)::
 
     source  = [1, 4 | 6, 7 | 9]        pivots = [4, 7, 9]
     segment = [0, 2, 3, 4, 5, 8, 12]   (one segment, K = 1)

@@ -104,7 +104,8 @@ class KernelMap:
 
         With ``T = m.transposed()`` and K offsets:
 
-        * ``T.in_coords = m.out_coords``, ``T.out_coords = m.in_coords``;
+        * ``T.in_coords = m.out_coords``, ``T.out_coords = m.in_coords``, and so
+          ``T.in_order = m.out_order``, ``T.out_order = m.in_order``;
         * ``T.offsets = -m.offsets[::-1]`` (still sorted lexicographically);
         * ``T.table[K-1-k, j] = i`` exactly when ``m.table[k, i] = j``, and
           ``T.counts = m.counts[::-1]``;

@@ -121,6 +121,21 @@ def test_docstring_worked_example():
         assert m.counts.tolist() == [1, 3, 1]
 
 
+def test_stage_docstring_examples():
+    """The worked example of backward_search.py and forward_search.py, both backends."""
+    s, q, d = np.array([1, 4, 6, 7, 9]), np.array([0, 2, 3, 4, 5, 8, 12]), np.array([0])
+    bounds, _ = backward_search_reference(s, q, d, 2)
+    assert bounds.tolist() == [[0, 4, 5, 6]]
+    assert np.array_equal(backward_search_cuda(s, q, d, 2), bounds)
+    rows = split_query_blocks_reference(bounds, 2)
+    assert rows.tolist() == [[0, 0, 0, 2], [0, 0, 2, 4], [0, 1, 4, 5], [0, 2, 5, 6]]
+    rows_k, n_rows = split_query_blocks_cuda(bounds, 2, max_balanced_blocks(1, 5, 7, 2, 2))
+    assert int(n_rows[0]) == 4 and np.array_equal(rows_k[:4], rows)
+    expect = [[-1, -1, -1, 1, -1, -1, -1]]
+    assert forward_search_reference(s, q, d, bounds, 2)[0].tolist() == expect
+    assert forward_search_cuda(s, q, d, rows_k, n_rows, 2, 2, grid=4).tolist() == expect
+
+
 def test_segments_are_shifted_keys(rng):
     """Stage 4's premise: key(q) + key_delta(d) == key(q + d), every segment sorted."""
     q = np.unique(rng.integers(-50, 50, size=(200, 3)), axis=0).astype(np.int32)
