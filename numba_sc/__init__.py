@@ -20,7 +20,7 @@ from .output_coords import output_coordinates
 from .voxelization import Voxelization, voxelize
 
 __all__ = [
-    "KernelMap", "Voxelization", "build_kernel_map", "gpu_present", "kernel_offsets", "key_delta", "output_coordinates",
-    "pack_keys", "resolve_backend", "simulating", "unpack_keys", "voxelize",
+    "KernelMap", "Voxelization", "build_kernel_map", "gpu_present", "kernel_offsets", "key_delta",
+    "output_coordinates", "pack_keys", "resolve_backend", "simulating", "unpack_keys", "voxelize",
 ]
 __version__ = "0.1.0"

@@ -243,7 +243,8 @@ def test_empty_segments_and_blocks():
     k = ns.build_kernel_map(c, 3, backend="cuda", source_block=32, query_block=16)
     assert_matches_oracle(r, c, oracle_map(c, 3))
     assert_same_map(k, r)
-    bounds, _ = backward_search_reference(cv.pack_keys(c, (-1,) * 3, (1,) * 3), cv.pack_keys(c), cv.key_delta(r.offsets), 32)
+    keys = cv.pack_keys(c, (-1,) * 3, (1,) * 3)
+    bounds, _ = backward_search_reference(keys, keys, cv.key_delta(r.offsets), 32)
     dx_pos = r.offsets[:, 0] > 0
     assert (bounds[dx_pos, -1] == 0).all()  # x + 1 > every input: the segment is empty
     assert np.array_equal(r.counts > 0, (r.offsets[:, 0] == 0) & (r.offsets[:, 1] == 0))
