@@ -13,8 +13,9 @@ What it measures, each as the median of ``--repeats`` runs after warm-up:
   device synchronize - what a Python caller waits for, launch overheads included.
 
 Workloads: a submanifold 3x3x3 layer on SemanticKITTI voxelized at 0.05 m
-(94k voxels) and on 1,000,000 random unique voxels in a 400^3 box. For each: the
-whole Map step, the stage breakdown (pack + sort, backward search, split, forward
+(94k voxels) and on 1,000,000 random unique voxels in a 400^3 box. For each: a
+check of the GPU table against the NumPy reference (KITTI), the whole Map step
+(also with Numba's CUDA-array-interface stream sync off), the stage breakdown (pack + sort, backward search, split, forward
 search), spconv 2.x's ``get_indice_pairs`` (subm) in the same run when spconv
 imports, and a sweep of B x C. A short table is printed; everything goes to the
 JSON file given by ``--out``. Every section is wrapped so that one failure is
@@ -131,6 +132,28 @@ def bench_map(coords, args):
             "balanced_blocks": int(m.stats["query_blocks_after_balancing"]),
             "gpu_ms": time_gpu(run, args.repeats, args.warmup),
             "wall_ms": time_wall(run, args.repeats, args.warmup)}
+
+
+def bench_map_no_cai_sync(coords, args):
+    """The Map step with Numba's CUDA-array-interface sync switched off.
+
+    By default Numba synchronizes the stream a CuPy array names in its
+    ``__cuda_array_interface__`` at every kernel launch, once per array argument:
+    the host then waits for the GPU before each launch and cannot run ahead. CuPy
+    and our kernels all use the legacy default stream, so the order is already
+    guaranteed; this measures what the syncs cost.
+    """
+    try:
+        from numba.cuda.core import config  # where numba-cuda reads it
+    except ImportError:
+        from numba.core import config
+
+    old = config.CUDA_ARRAY_INTERFACE_SYNC
+    config.CUDA_ARRAY_INTERFACE_SYNC = False
+    try:
+        return bench_map(coords, args)
+    finally:
+        config.CUDA_ARRAY_INTERFACE_SYNC = old
 
 
 def bench_stages(coords, args, B=256, C=512):
@@ -304,6 +327,7 @@ def main(argv=None):
         if name.startswith("kitti") or args.verify_random:
             section(r, "verify", lambda: verify_against_reference(coords))
         section(r, "map", lambda: bench_map(coords, args))
+        section(r, "map_without_cai_sync", lambda: bench_map_no_cai_sync(coords, args))
         section(r, "stages", lambda: bench_stages(coords, args))
         section(r, "spconv", lambda: bench_spconv(coords, args))
         if not args.no_sweep:
@@ -321,6 +345,7 @@ def print_summary(name, r):
     if "verify" in r:
         print(f"  verify vs reference: {r['verify']}")
     print(f"  numba-sc Map step : {ms(r.get('map', {}))}")
+    print(f"   ... no CAI sync  : {ms(r.get('map_without_cai_sync', {}))}")
     sp = r.get("spconv", {})
     print(f"  spconv subm pairs : {ms(sp)}" + (f"  (pairs {sp.get('pairs')} vs ours "
                                                 f"{r.get('map', {}).get('pairs')})" if "gpu_ms" in sp else ""))
