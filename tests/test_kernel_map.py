@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import numba_sc as ns
 from numba_sc import conventions as cv
+from numba_sc.backend import to_device, to_host
 from numba_sc.backward_search import (backward_search_cuda, backward_search_reference,
                                       max_balanced_blocks, split_query_blocks_cuda,
                                       split_query_blocks_reference)
@@ -123,17 +124,18 @@ def test_docstring_worked_example():
 
 def test_stage_docstring_examples():
     """The worked example of backward_search.py and forward_search.py, both backends."""
-    s, q, d = np.array([1, 4, 6, 7, 9]), np.array([0, 2, 3, 4, 5, 8, 12]), np.array([0])
+    s, q, d = (np.array(a, np.int64) for a in ([1, 4, 6, 7, 9], [0, 2, 3, 4, 5, 8, 12], [0]))
     bounds, _ = backward_search_reference(s, q, d, 2)
     assert bounds.tolist() == [[0, 4, 5, 6]]
-    assert np.array_equal(backward_search_cuda(s, q, d, 2), bounds)
+    ds, dq, dd = to_device(s), to_device(q), to_device(d)  # the stage launchers take device arrays
+    assert np.array_equal(to_host(backward_search_cuda(ds, dq, dd, 2)), bounds)
     rows = split_query_blocks_reference(bounds, 2)
     assert rows.tolist() == [[0, 0, 0, 2], [0, 0, 2, 4], [0, 1, 4, 5], [0, 2, 5, 6]]
-    rows_k, n_rows = split_query_blocks_cuda(bounds, 2, max_balanced_blocks(1, 5, 7, 2, 2))
-    assert int(n_rows[0]) == 4 and np.array_equal(rows_k[:4], rows)
+    rows_k, n_rows = split_query_blocks_cuda(to_device(bounds), 2, max_balanced_blocks(1, 5, 7, 2, 2))
+    assert int(n_rows[0]) == 4 and np.array_equal(to_host(rows_k)[:4], rows)
     expect = [[-1, -1, -1, 1, -1, -1, -1]]
     assert forward_search_reference(s, q, d, bounds, 2)[0].tolist() == expect
-    assert forward_search_cuda(s, q, d, rows_k, n_rows, 2, 2, grid=4).tolist() == expect
+    assert to_host(forward_search_cuda(ds, dq, dd, rows_k, n_rows, 2, 2, grid=4)).tolist() == expect
 
 
 def test_segments_are_shifted_keys(rng):
@@ -210,20 +212,21 @@ def test_stages_kernel_equals_reference(rng):
     deltas = cv.key_delta(offs)
     B, C = 32, 32
     bounds_r, _ = backward_search_reference(skeys, skeys, deltas, B)
-    bounds_k = backward_search_cuda(skeys, skeys, deltas, B)
-    assert np.array_equal(bounds_k, bounds_r)
+    dkeys, ddeltas = to_device(skeys), to_device(deltas)  # the stage launchers take device arrays
+    bounds_k = backward_search_cuda(dkeys, dkeys, ddeltas, B)
+    assert np.array_equal(to_host(bounds_k), bounds_r)
     rows_r = split_query_blocks_reference(bounds_r, C)
     upper = max_balanced_blocks(len(deltas), len(skeys), len(skeys), B, C)
     rows_k, n_rows = split_query_blocks_cuda(bounds_k, C, upper)
     assert int(n_rows[0]) == len(rows_r) < upper
-    assert np.array_equal(rows_k[: len(rows_r)], rows_r)
+    assert np.array_equal(to_host(rows_k)[: len(rows_r)], rows_r)
     # balanced rows tile every query block exactly
     sizes = rows_r[:, 3] - rows_r[:, 2]
     assert sizes.min() >= 1 and sizes.max() <= C
     assert sizes.sum() == (bounds_r[:, -1] - bounds_r[:, 0]).sum()
     table_r, _ = forward_search_reference(skeys, skeys, deltas, bounds_r, B)
-    table_k = forward_search_cuda(skeys, skeys, deltas, rows_k, n_rows, B, C, grid=upper)
-    assert np.array_equal(table_k, table_r)
+    table_k = forward_search_cuda(dkeys, dkeys, ddeltas, rows_k, n_rows, B, C, grid=upper)
+    assert np.array_equal(to_host(table_k), table_r)
     # Blocks past the device count must leave, even where the rows hold real work:
     # claim only half the rows and those queries must stay unanswered.
     cut = len(rows_r) // 2
@@ -231,8 +234,8 @@ def test_stages_kernel_equals_reference(rng):
     for k, _, a, b in rows_r[cut:]:
         expect[k, a:b] = -1
     assert (expect != table_r).any()
-    table_cut = forward_search_cuda(skeys, skeys, deltas, rows_k, np.array([cut]), B, C, grid=upper)
-    assert np.array_equal(table_cut, expect)
+    table_cut = forward_search_cuda(dkeys, dkeys, ddeltas, rows_k, to_device(np.array([cut])), B, C, grid=upper)
+    assert np.array_equal(to_host(table_cut), expect)
     assert np.array_equal(table_r, searchsorted_oracle_table(np.unique(c, axis=0), np.unique(c, axis=0), offs))
 
 
