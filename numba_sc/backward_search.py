@@ -34,7 +34,7 @@ rows. In the example with C = 2 the first block (4 queries) gives two rows
 ``(0, 0, 0, 2)`` and ``(0, 0, 2, 4)``.
 
 Costs (paper Section 5.1.3): ``K * ceil(|P|/B)`` searches of about
-``log2 |Q|`` steps each - for 94k voxels, 27 offsets and B = 256: 9,936 threads
+``log2 |Q|`` steps each - for 94k voxels, 27 offsets and B = 256: 9,963 threads
 x 17 steps, a few hundred kB of key reads that mostly hit cache, because
 neighbouring threads search neighbouring pivots in the same segment. The bounds
 are ``8 K (|P|/B + 1)`` bytes; the balanced rows 16 bytes each.
