@@ -7,8 +7,11 @@ NumPy reference and the ``@cuda.jit`` kernels, in the order of the paper:
     backend          "cuda" (GPU or simulator) / "reference" (NumPy); the API edge
     voxelization     1. float points -> unique voxel coordinates
     output_coords    2. Q = floor(P / s) * s
-    sorting          3. library sort of packed keys; unique runs
-    kernel_map       4-6. the Map step: query segments, double-traversed binary search
+    sorting          3. library sort of packed keys; unique runs; duplicate check
+    query_segments   4. segment k = sorted(Q) + delta_k, made on the fly
+    backward_search  5. source-block pivots searched in each segment -> query blocks
+    forward_search   6. each query block searched in its source block in shared memory
+    kernel_map       the Map step assembled: build_kernel_map -> KernelMap
     metadata         7. pairs per offset, offset order, groups, buffer rows; in/out tables
     gather           8. tiled gather into the input buffer (Algorithm 1)
     gemm_grouping    9. offsets sorted by pair count, grouped into batched GEMMs
@@ -21,14 +24,15 @@ from .conventions import kernel_offsets, key_delta, pack_keys, unpack_keys
 from .autotune import TileChoice, autotune, heuristic_tile
 from .conv import SparseTensor, sparse_conv3d
 from .gemm_grouping import padding_report
+from .kernel_map import KernelMap, build_kernel_map
 from .metadata import GmasPlan, build_plan, grouping_report
 from .output_coords import output_coordinates
 from .voxelization import Voxelization, voxelize
 
 __all__ = [
-    "Voxelization", "gpu_present", "kernel_offsets", "key_delta", "output_coordinates",
-    "pack_keys", "resolve_backend", "simulating", "unpack_keys", "voxelize",
-    "GmasPlan", "SparseTensor", "TileChoice", "autotune", "build_plan", "grouping_report",
-    "heuristic_tile", "padding_report", "sparse_conv3d",
+    "GmasPlan", "KernelMap", "SparseTensor", "TileChoice", "Voxelization", "autotune",
+    "build_kernel_map", "build_plan", "gpu_present", "grouping_report", "heuristic_tile",
+    "kernel_offsets", "key_delta", "output_coordinates", "pack_keys", "padding_report",
+    "resolve_backend", "simulating", "sparse_conv3d", "unpack_keys", "voxelize",
 ]
 __version__ = "0.1.0"

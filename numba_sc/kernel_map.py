@@ -1,71 +1,357 @@
-"""The kernel map: which input feeds which output through which offset.
+"""The Map step: which input feeds which output through which weight offset.
 
-PLACEHOLDER CONTRACT (to be completed by the Map-step work, issue 3): the
-``KernelMap`` fields below are the interface the GMaS step relies on. The
-builder here is a plain ``searchsorted`` reference; the Map step replaces it with
-Minuet's segmented query sorting + double-traversed binary search.
+A sparse convolution computes, for every output coordinate ``q_i``,
+``out[i] = sum_k in[q_i + delta_k] @ W[k]`` over the inputs that exist. The
+*kernel map* records which exist. Minuet builds it without a hash table, with
+sorted arrays and binary search (paper Section 5.1), in four stages, one module
+each:
+
+    3. sorting          input keys and output keys sorted by the library; the
+                        weight offsets are sorted once per layer       (sorting.py)
+    4. query segments   segment k = sorted(Q) + delta_k, made on the fly
+                                                                (query_segments.py)
+    5. backward search  source-block pivots searched in every segment -> query
+                        blocks; blocks larger than C split         (backward_search.py)
+    6. forward search   each balanced query block searched in its source block,
+                        held in shared memory -> the table          (forward_search.py)
+
+The result, :class:`KernelMap`, is query-major as in Minuet::
+
+    table[k, i] = index into in_coords of the input at out_coords[i] + offsets[k],
+                  or -1 when there is none.
+
+Worked example, one axis, a 3-wide kernel, stride 1 (submanifold)::
+
+    in_coords = out_coords = [0, 1, 3]      offsets = [-1, 0, 1]
+    table = [[-1,  0, -1],     offset -1: 1-1 = 0 is input 0; 0-1 and 3-1 missing
+             [ 0,  1,  2],     offset  0: every point sees itself
+             [ 1, -1, -1]]     offset +1: 0+1 = 1 is input 1
+    counts = [1, 3, 1]
+
+Everything is on the sorted order. ``in_coords`` is the caller's input sorted
+lexicographically, ``in_coords == caller_in_coords[in_order]``: carry features
+into map order with ``features[in_order]``. When the caller passes
+``out_coords`` they are sorted too (``out_coords == caller_out_coords[out_order]``);
+default outputs come out of :func:`numba_sc.output_coordinates` already sorted.
+For stride 1 and no given outputs, the one sorted input array is both the source
+and the query array (Section 5.1.1, fourth reason): ``Q = P``.
+
+Transposed convolution (upsampling): :meth:`KernelMap.transposed` swaps inputs
+and outputs of the strided map it inverts. Row ``k'`` of the transposed map
+belongs to offset ``-offsets[K-1-k']``, so it holds the pairs of row ``K-1-k'``
+of the original; a transposed convolution with weight ``W`` (K, C_in, C_out)
+applies ``W[K-1-k']`` to row ``k'``, i.e. the weight of the original offset.
+
+Napkin math of the whole step, 3x3x3 submanifold layer on 94k voxels: sort 94k
+keys (~0.75 MB a pass), backward search ~10k threads, forward search ~10k thread
+blocks reading ~20 MB through shared memory, table 27 x 94k x 4 B = 10 MB written.
+The kernel path launches three Numba kernels (backward, split, forward) and a
+handful of library calls, for all K segments at once. It reads from the device
+only for the range check inside :func:`numba_sc.conventions.pack_keys` (a few
+scalars per packed array) and for the check that no coordinate is repeated (one
+scalar); the number of balanced query blocks is never read (see forward_search).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
 from . import conventions as cv
-from .backend import to_host
+from .backend import device_xp, like, resolve_backend, simulating, to_device, to_host
+from .backward_search import (backward_search_cuda, backward_search_reference, check_block_sizes,
+                              max_balanced_blocks, num_source_blocks, split_query_blocks_cuda,
+                              split_query_blocks_reference)
+from .forward_search import forward_search_cuda, forward_search_reference
 from .output_coords import output_coordinates
+from .sorting import (count_duplicates_cuda, count_duplicates_reference, sort_keys_cuda,
+                      sort_keys_reference)
 
 
 @dataclass
 class KernelMap:
-    in_coords: np.ndarray  # int32 (|P|, 3|4), sorted
-    out_coords: np.ndarray  # int32 (|Q|, 3|4), sorted
-    in_order: np.ndarray  # int64 (|P|,): caller's input row i is in_coords[...]; see build
-    offsets: np.ndarray  # int32 (K, 3), sorted lexicographically
-    table: np.ndarray  # int32 (K, |Q|): index into in_coords of out_coords[i] + offsets[k], or -1
-    counts: np.ndarray  # int64 (K,): pairs per offset
-    stats: dict = field(default_factory=dict)
+    """The kernel map of one layer and the layer facts the GMaS step needs.
+
+    Arrays are of the kind the caller passed (NumPy or CuPy), except ``offsets``,
+    which describe the layer, not the data, and stay on the host.
+    """
+
+    in_coords: object  # int32 (|P|, 3|4), sorted: the search's source order
+    out_coords: object  # int32 (|Q|, 3|4), sorted: the search's query order
+    in_order: object  # int64 (|P|,): in_coords == caller_in_coords[in_order]
+    offsets: np.ndarray  # int32 (K, 3), sorted lexicographically (host)
+    table: object  # int32 (K, |Q|): index into in_coords of out_coords[i] + offsets[k], or -1
+    counts: object  # int64 (K,): pairs per offset, (table >= 0).sum(1)
+    stats: dict = field(default_factory=dict)  # teaching numbers; see build_kernel_map
     kernel_size: tuple = (3, 3, 3)
     stride: tuple = (1, 1, 1)
     dilation: tuple = (1, 1, 1)
-    tensor_stride: tuple = (1, 1, 1)
-    out_tensor_stride: tuple = (1, 1, 1)
+    tensor_stride: tuple = (1, 1, 1)  # of the input tensor
+    out_tensor_stride: tuple = (1, 1, 1)  # of the output tensor
+    out_order: object = None  # int64 (|Q|,): out_coords == caller_out_coords[out_order]
+    is_transposed: bool = False  # True for the map made by transposed()
 
-    def transposed(self):
-        """T.in_coords = out_coords, T.out_coords = in_coords, T.offsets = -offsets[::-1],
-        T.table[K-1-k, j] = i exactly when table[k, i] = j."""
-        K = len(self.offsets)
-        t = np.full((K, len(self.in_coords)), -1, np.int32)
-        for k in range(K):
-            i = np.flatnonzero(self.table[k] >= 0)
-            t[K - 1 - k, self.table[k, i]] = i
-        return KernelMap(self.out_coords, self.in_coords, np.arange(len(self.out_coords)),
-                         np.ascontiguousarray(-self.offsets[::-1]), t, self.counts[::-1].copy(), {},
-                         self.kernel_size, self.stride, self.dilation, self.out_tensor_stride,
-                         self.tensor_stride)
+    def pairs(self, k):
+        """(input indices, output indices) of the pairs of offset ``k``, both into the sorted arrays."""
+        xp = cv._xp_of(self.table)
+        out_idx = xp.flatnonzero(self.table[k] >= 0)
+        return self.table[k][out_idx].astype(np.int64), out_idx
+
+    def transposed(self) -> "KernelMap":
+        """The map of the transposed convolution: inputs and outputs swapped.
+
+        With ``T = m.transposed()`` and K offsets:
+
+        * ``T.in_coords = m.out_coords``, ``T.out_coords = m.in_coords``, and so
+          ``T.in_order = m.out_order``, ``T.out_order = m.in_order``;
+        * ``T.offsets = -m.offsets[::-1]`` (still sorted lexicographically);
+        * ``T.table[K-1-k, j] = i`` exactly when ``m.table[k, i] = j``, and
+          ``T.counts = m.counts[::-1]``;
+        * ``T.tensor_stride`` / ``T.out_tensor_stride`` are swapped; ``kernel_size``,
+          ``stride`` and ``dilation`` stay those of the strided layer it inverts;
+        * ``T.transposed()`` gives ``m`` back.
+
+        So ``T`` obeys the usual rule (output ``p`` reads input ``p + T.offsets[k']``)
+        and a transposed convolution with weight ``W`` uses ``W[K-1-k']`` for row ``k'``.
+        Built with one scatter, on the device when the table is there; no sync.
+        """
+        xp = cv._xp_of(self.table)
+        K, Q = self.table.shape
+        P = self.in_coords.shape[0]
+        t = xp.full(K * P + 1, -1, dtype=np.int32)  # one extra slot that catches all misses
+        row = (K - 1 - xp.arange(K, dtype=np.int64))[:, None] * P
+        dest = xp.where(self.table >= 0, row + self.table, K * P)
+        src = xp.broadcast_to(xp.arange(Q, dtype=np.int32)[None, :], (K, Q))
+        # Hits of one row go to distinct inputs (distinct outputs moved by the same
+        # offset), so only the catch-all slot is written more than once.
+        t[dest.ravel()] = src.ravel()
+        counts = self.counts[::-1].copy()
+        return KernelMap(
+            self.out_coords, self.in_coords, self.out_order,
+            np.ascontiguousarray(-self.offsets[::-1]), t[:-1].reshape(K, P), counts,
+            {"transposed_from": dict(self.stats)}, self.kernel_size, self.stride, self.dilation,
+            self.out_tensor_stride, self.tensor_stride, self.in_order, not self.is_transposed)
 
 
-def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
-                     out_coords=None, backend=None, source_block=256, query_block=512):
-    coords = cv.validate_coords(to_host(in_coords), "in_coords")
-    keys = cv.pack_keys(coords)
-    in_order = np.argsort(keys, kind="stable")
-    src = keys[in_order]
-    in_sorted = coords[in_order]
-    if out_coords is None:
-        out_coords = output_coordinates(in_sorted, stride, tensor_stride, backend="reference")
-    offsets = cv.kernel_offsets(kernel_size, dilation, tensor_stride)
-    qk = cv.pack_keys(out_coords, offsets.min(0), offsets.max(0))
-    d = cv.key_delta(offsets)
-    table = np.full((len(offsets), len(qk)), -1, np.int32)
-    for k in range(len(offsets)):
-        q = qk + d[k]
-        pos = np.searchsorted(src, q)
-        pos_c = np.minimum(pos, len(src) - 1)
-        hit = src[pos_c] == q
-        table[k, hit] = pos_c[hit]
-    ts = cv.as_int_tuple(tensor_stride, "tensor_stride")
+# -------------------------------------------------------------- shared steps
+def _layer(kernel_size, stride, dilation, tensor_stride):
+    ks = cv.as_int_tuple(kernel_size, "kernel_size")
     st = cv.as_int_tuple(stride, "stride")
-    return KernelMap(in_sorted, np.asarray(out_coords, np.int32), in_order, offsets, table,
-                     (table >= 0).sum(1).astype(np.int64), {}, cv.as_int_tuple(kernel_size, "k"),
-                     st, cv.as_int_tuple(dilation, "d"), ts, tuple(a * b for a, b in zip(ts, st)))
+    dil = cv.as_int_tuple(dilation, "dilation")
+    ts = cv.as_int_tuple(tensor_stride, "tensor_stride")
+    offsets, deltas = _sorted_offsets(ks, dil, ts)
+    return ks, st, dil, ts, offsets.copy(), deltas
+
+
+@lru_cache(maxsize=64)
+def _sorted_offsets(ks, dil, ts):
+    """Offsets and their key deltas, made and sorted once per layer configuration
+    (paper Section 5.1.1, first reason), then reused by every call."""
+    offsets = cv.kernel_offsets(ks, dil, ts)  # lexicographically sorted by construction
+    deltas = np.ascontiguousarray(cv.key_delta(offsets), dtype=np.int64)
+    assert np.all(np.diff(deltas) > 0), "kernel_offsets must list offsets in sorted order"
+    offsets.setflags(write=False)  # shared by all calls: nobody may change them
+    deltas.setflags(write=False)
+    return offsets, deltas
+
+
+def _device_deltas(ks, dil, ts):
+    """The key deltas on the current device, copied there once per layer configuration."""
+    device = 0 if simulating() else device_xp().cuda.runtime.getDevice()
+    return _device_deltas_on(ks, dil, ts, device)
+
+
+@lru_cache(maxsize=64)
+def _device_deltas_on(ks, dil, ts, device):
+    return to_device(np.array(_sorted_offsets(ks, dil, ts)[1]))
+
+
+def _check_columns(in_coords, out_coords):
+    """Inputs and outputs must agree on the batch column (shapes only: no device read)."""
+    a, b = getattr(in_coords, "shape", ()), getattr(out_coords, "shape", ())
+    if out_coords is not None and len(a) == 2 and len(b) == 2 and a[1] != b[1]:
+        raise ValueError(
+            f"out_coords has {b[1]} columns but in_coords has {a[1]}; both must be (N, 3), "
+            "or both (N, 4) with the batch index in column 0")
+
+
+def _duplicate_error(name, n):
+    return ValueError(
+        f"{name} holds {n} repeated coordinate(s); a kernel map needs unique coordinates. "
+        "De-duplicate first, e.g. with numba_sc.voxelize or np.unique(coords, axis=0)")
+
+
+def _sorted_keys(coords, reach, name, sort, count_duplicates):
+    """Pack (with the kernel's reach when these keys become queries), sort, check unique.
+
+    ``pack_keys`` validates the array (shape, integer dtype, range), so nothing
+    else needs to read the coordinates first. Returns the sorted keys, the order
+    and the coordinates in that order as int32.
+    """
+    keys = cv.pack_keys(coords, reach[0], reach[1], name=name)
+    skeys, order = sort(keys)
+    n = int(count_duplicates(skeys))  # on the device path: one small device->host read
+    if n:
+        raise _duplicate_error(name, n)
+    return skeys, order, coords.astype(np.int32, copy=False)[order]
+
+
+def _prepare(in_coords, out_coords, st, offsets, xp, sort, count_duplicates):
+    """Stage 3 for both backends: sorted source keys, sorted query keys, coordinates.
+
+    Queries ``q + delta`` must stay packable, so the query coordinates are packed
+    with the kernel's reach; the source only with its own range.
+    """
+    reach = (offsets.min(axis=0), offsets.max(axis=0))
+    no_reach = ((0, 0, 0), (0, 0, 0))
+    submanifold = out_coords is None and st == (1, 1, 1)
+    skeys, in_order, in_sorted = _sorted_keys(in_coords, reach if submanifold else no_reach,
+                                              "in_coords", sort, count_duplicates)
+    if submanifold:  # one sorted array is both the source and the query array
+        return skeys, in_order, in_sorted, skeys, in_sorted, xp.arange(skeys.shape[0], dtype=np.int64)
+    if out_coords is None:
+        return skeys, in_order, in_sorted, None, None, None  # outputs made by the caller of _prepare
+    qkeys, out_order, out_sorted = _sorted_keys(out_coords, reach, "out_coords", sort, count_duplicates)
+    return skeys, in_order, in_sorted, qkeys, out_sorted, out_order
+
+
+# ------------------------------------------------------------------ reference
+def build_kernel_map_reference(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
+                               out_coords=None, source_block=256, query_block=512) -> KernelMap:
+    """The Map step in vectorized NumPy, with the comparisons of both searches counted."""
+    B, C = check_block_sizes(source_block, query_block)
+    ks, st, dil, ts, offsets, deltas = _layer(kernel_size, stride, dilation, tensor_stride)
+    in_coords, out_coords = to_host(in_coords), to_host(out_coords)
+    _check_columns(in_coords, out_coords)
+    skeys, in_order, in_sorted, qkeys, out_sorted, out_order = _prepare(
+        in_coords, out_coords, st, offsets, np, sort_keys_reference, count_duplicates_reference)
+    if qkeys is None:  # strided layer, default outputs: already sorted and unique
+        out_sorted = output_coordinates(in_sorted, st, ts, backend="reference")
+        qkeys = cv.pack_keys(out_sorted, offsets.min(axis=0), offsets.max(axis=0), name="output coordinates")
+        out_order = np.arange(len(qkeys), dtype=np.int64)
+
+    bounds, back_cmp = backward_search_reference(skeys, qkeys, deltas, B)  # stage 5
+    rows = split_query_blocks_reference(bounds, C)
+    table, fwd_cmp = forward_search_reference(skeys, qkeys, deltas, bounds, B)  # stage 6
+    counts = (table >= 0).sum(axis=1).astype(np.int64)
+
+    K, P, Q = len(offsets), len(skeys), len(qkeys)
+    sizes = np.diff(bounds, axis=1)
+    queries = K * Q
+    stats = {
+        "backend": "reference", "source_block": B, "query_block": C,
+        "n_in": P, "n_out": Q, "n_offsets": K, "queries": queries,
+        "pairs": int(counts.sum()), "hit_rate": float(counts.sum()) / queries,
+        "source_blocks": num_source_blocks(P, B),
+        "query_blocks_before_balancing": K * num_source_blocks(P, B),
+        "nonempty_query_blocks": int(np.count_nonzero(sizes)),
+        "query_blocks_after_balancing": len(rows),
+        "largest_query_block_before": int(sizes.max()),
+        "largest_query_block_after": int((rows[:, 3] - rows[:, 2]).max()) if len(rows) else 0,
+        "forward_grid_upper_bound": max_balanced_blocks(K, P, Q, B, C),
+        "backward_comparisons": int(back_cmp), "forward_comparisons": int(fwd_cmp),
+        "comparisons_per_query": (back_cmp + fwd_cmp) / queries,
+        # what searching every query in the whole source array would cost
+        "plain_binary_search_comparisons": queries * math.ceil(math.log2(P + 1)),
+    }
+    return _finish(in_sorted, out_sorted, in_order, offsets, table, counts, stats,
+                   ks, st, dil, ts, out_order)
+
+
+# -------------------------------------------------------------------- kernels
+def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
+                          out_coords=None, source_block=256, query_block=512) -> KernelMap:
+    """The Map step with the kernels; arrays stay on the device, no Python loop over K."""
+    B, C = check_block_sizes(source_block, query_block)
+    ks, st, dil, ts, offsets, deltas = _layer(kernel_size, stride, dilation, tensor_stride)
+    xp = device_xp()
+    in_coords, out_coords = to_device(in_coords), to_device(out_coords)
+    _check_columns(in_coords, out_coords)
+    skeys, in_order, in_sorted, qkeys, out_sorted, out_order = _prepare(
+        in_coords, out_coords, st, offsets, xp, sort_keys_cuda, count_duplicates_cuda)
+    if qkeys is None:
+        out_sorted = output_coordinates(in_sorted, st, ts, backend="cuda")
+        qkeys = cv.pack_keys(out_sorted, offsets.min(axis=0), offsets.max(axis=0), name="output coordinates")
+        out_order = xp.arange(qkeys.shape[0], dtype=np.int64)
+    d_deltas = _device_deltas(ks, dil, ts)  # int64 (K,), already on the device
+    skeys = xp.ascontiguousarray(skeys)
+    qkeys = xp.ascontiguousarray(qkeys)
+
+    K, P, Q = len(offsets), int(skeys.shape[0]), int(qkeys.shape[0])
+    upper = max_balanced_blocks(K, P, Q, B, C)
+    bounds = backward_search_cuda(skeys, qkeys, d_deltas, B)  # stage 5, one launch
+    rows, n_rows = split_query_blocks_cuda(bounds, C, upper)  # scan + one launch
+    # On a GPU launch the upper bound and let surplus blocks exit (no sync, see
+    # forward_search.py). Under the simulator the count is a NumPy value, free to
+    # read, and every launched block costs a crowd of Python threads.
+    grid = int(n_rows[0]) if simulating() else upper
+    table = forward_search_cuda(skeys, qkeys, d_deltas, rows, n_rows, B, C, grid)  # stage 6
+    counts = (table >= 0).sum(axis=1, dtype=np.int64)
+
+    pairs = counts.sum()  # 0-d device array: read it only when you need it
+    stats = {
+        "backend": "cuda", "source_block": B, "query_block": C,
+        "n_in": P, "n_out": Q, "n_offsets": K, "queries": K * Q,
+        "pairs": pairs, "hit_rate": pairs / (K * Q),
+        "source_blocks": num_source_blocks(P, B),
+        "query_blocks_before_balancing": K * num_source_blocks(P, B),
+        "query_blocks_after_balancing": n_rows[0],
+        "forward_grid_upper_bound": upper, "forward_grid_launched": grid,
+    }
+    return _finish(in_sorted, out_sorted, in_order, offsets, table, counts, stats,
+                   ks, st, dil, ts, out_order)
+
+
+def _finish(in_sorted, out_sorted, in_order, offsets, table, counts, stats, ks, st, dil, ts, out_order):
+    return KernelMap(in_sorted, out_sorted, in_order, offsets, table, counts, stats, ks, st, dil, ts,
+                     tuple(a * b for a, b in zip(ts, st)), out_order)
+
+
+# ----------------------------------------------------------------------- API
+def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
+                     out_coords=None, backend=None, source_block=256, query_block=512) -> KernelMap:
+    """Build the kernel map of a sparse convolution (Minuet's Map step).
+
+    Parameters
+    ----------
+    in_coords : int array (N, 3) or (N, 4)
+        Unique input voxel coordinates (batch index in column 0 for (N, 4)); any
+        order. Clouds of different batch indices never share a pair.
+    kernel_size, stride, dilation : int or 3 ints
+        The layer. Offsets are :func:`numba_sc.kernel_offsets`
+        ``(kernel_size, dilation, tensor_stride)``.
+    tensor_stride : int or 3 ints
+        Stride of the input tensor; the output's is ``tensor_stride * stride``.
+    out_coords : int array (M, 3|4), optional
+        Output coordinates. Default: ``output_coordinates(in_coords, stride,
+        tensor_stride)``, which is the input itself for stride 1.
+    backend : None | "cuda" | "reference"
+    source_block : int
+        B, keys per source block: a power of two in 32..4096 (default 256).
+    query_block : int
+        C, the largest balanced query block (default 512).
+
+    Returns
+    -------
+    KernelMap
+        ``table[k, i]`` is the index into ``.in_coords`` of the input at
+        ``.out_coords[i] + .offsets[k]``, or -1. ``.stats`` holds teaching numbers:
+        sizes, pairs and ``hit_rate``, query blocks before and after balancing and,
+        from the reference only, the comparisons of the backward and forward
+        searches (``backward_comparisons``, ``forward_comparisons``,
+        ``comparisons_per_query``, and ``plain_binary_search_comparisons`` for
+        contrast). On the kernel path, numbers that live on the device are 0-d
+        arrays; ``float()`` / ``int()`` reads them.
+    """
+    kw = dict(kernel_size=kernel_size, stride=stride, dilation=dilation, tensor_stride=tensor_stride,
+              out_coords=out_coords, source_block=source_block, query_block=query_block)
+    if resolve_backend(backend) == "reference":
+        m = build_kernel_map_reference(in_coords, **kw)
+    else:
+        m = build_kernel_map_cuda(in_coords, **kw)
+    for name in ("in_coords", "out_coords", "in_order", "table", "counts", "out_order"):
+        setattr(m, name, like(getattr(m, name), in_coords))
+    m.stats = {key: like(v, in_coords) if hasattr(v, "shape") else v for key, v in m.stats.items()}
+    return m

@@ -1,0 +1,365 @@
+#!/usr/bin/env python
+"""Benchmark of the Map step (build_kernel_map) on a CUDA GPU.
+
+Only runs when invoked by hand; it is not a test and CI never collects it::
+
+    python benchmarks/bench_map.py --out map_results.json [--data DIR] [--repeats 20]
+
+What it measures, each as the median of ``--repeats`` runs after warm-up:
+
+* ``gpu_ms``: GPU time between two CUDA events around the call (cupy.cuda.Event on
+  the legacy default stream, where both CuPy and Numba launch by default);
+* ``wall_ms``: host wall time (time.perf_counter) around the whole call plus a
+  device synchronize - what a Python caller waits for, launch overheads included.
+
+Workloads: a submanifold 3x3x3 layer on SemanticKITTI voxelized at 0.05 m
+(94k voxels) and on 1,000,000 random unique voxels in a 400^3 box. For each: a
+check of the GPU table against the NumPy reference (KITTI), the whole Map step
+(also with Numba's CUDA-array-interface stream sync off), the stage breakdown (pack + sort, backward search, split, forward
+search), spconv 2.x's ``get_indice_pairs`` (subm) in the same run when spconv
+imports, and a sweep of B x C. A short table is printed; everything goes to the
+JSON file given by ``--out``. Every section is wrapped so that one failure is
+printed and recorded and the rest still runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+SWEEP_B = (64, 128, 256, 512, 1024)
+SWEEP_C = (128, 256, 512, 1024)
+KITTI = "semantickitti_000000.bin"
+
+
+# ------------------------------------------------------------------- helpers
+def find_data(arg):
+    for d in [Path(arg)] if arg else [ROOT.parent / "shared" / "data", ROOT / ".devdata", Path(".devdata")]:
+        if (d / KITTI).exists():
+            return d
+    return None
+
+
+def sync():
+    import cupy
+
+    cupy.cuda.Device().synchronize()
+
+
+def time_gpu(fn, repeats, warmup):
+    """Median GPU milliseconds between CUDA events recorded before and after fn()."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def time_wall(fn, repeats, warmup):
+    """Median host milliseconds around fn() and a device synchronize."""
+    for _ in range(warmup):
+        fn()
+        sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def section(results, name, fn):
+    """Run one benchmark section; print and record an error instead of stopping."""
+    try:
+        results[name] = fn()
+    except Exception as e:  # noqa: BLE001 - a benchmark reports, it does not crash
+        if not isinstance(e, ImportError):  # a missing peer needs no traceback
+            traceback.print_exc()
+        print(f"  [{name}] failed: {type(e).__name__}: {e}")
+        results[name] = {"error": f"{type(e).__name__}: {e}"}
+
+
+# ---------------------------------------------------------------- workloads
+def kitti_coords(data_dir):
+    import cupy
+
+    import numba_sc as ns
+
+    pts = np.fromfile(data_dir / KITTI, np.float32).reshape(-1, 4)
+    v = ns.voxelize(cupy.asarray(np.ascontiguousarray(pts[:, :3])), 0.05, backend="cuda")
+    return v.coords
+
+
+def random_coords(n=1_000_000, box=400, seed=0):
+    import cupy
+
+    rng = np.random.default_rng(seed)
+    cells = rng.choice(box ** 3, size=n, replace=False)
+    c = np.stack(np.unravel_index(cells, (box, box, box)), axis=1) - box // 2
+    return cupy.asarray(c.astype(np.int32))
+
+
+# ------------------------------------------------------------------ sections
+def bench_map(coords, args):
+    import numba_sc as ns
+
+    def run():
+        return ns.build_kernel_map(coords, 3, backend="cuda")
+
+    m = run()
+    return {"n": int(coords.shape[0]), "pairs": int(m.counts.sum()),
+            "balanced_blocks": int(m.stats["query_blocks_after_balancing"]),
+            "gpu_ms": time_gpu(run, args.repeats, args.warmup),
+            "wall_ms": time_wall(run, args.repeats, args.warmup)}
+
+
+def bench_map_no_cai_sync(coords, args):
+    """The Map step with Numba's CUDA-array-interface sync switched off.
+
+    By default Numba synchronizes the stream a CuPy array names in its
+    ``__cuda_array_interface__`` at every kernel launch, once per array argument:
+    the host then waits for the GPU before each launch and cannot run ahead. CuPy
+    and our kernels all use the legacy default stream, so the order is already
+    guaranteed; this measures what the syncs cost.
+    """
+    try:
+        from numba.cuda.core import config  # where numba-cuda reads it
+    except ImportError:
+        from numba.core import config
+
+    old = config.CUDA_ARRAY_INTERFACE_SYNC
+    config.CUDA_ARRAY_INTERFACE_SYNC = False
+    try:
+        return bench_map(coords, args)
+    finally:
+        config.CUDA_ARRAY_INTERFACE_SYNC = old
+
+
+def bench_stages(coords, args, B=256, C=512):
+    """Each stage alone, with the inputs the previous stage made (default B, C)."""
+    import numba_sc as ns
+    from numba_sc import conventions as cv
+    from numba_sc.backend import to_device
+    from numba_sc.backward_search import (backward_search_cuda, max_balanced_blocks,
+                                          split_query_blocks_cuda)
+    from numba_sc.forward_search import forward_search_cuda
+    from numba_sc.sorting import sort_keys_cuda
+
+    offs = cv.kernel_offsets(3)
+    deltas = to_device(cv.key_delta(offs))
+    K, n = len(offs), int(coords.shape[0])
+    upper = max_balanced_blocks(K, n, n, B, C)
+    keys = cv.pack_keys(coords, offs.min(0), offs.max(0))
+    skeys, _ = sort_keys_cuda(keys)
+    bounds = backward_search_cuda(skeys, skeys, deltas, B)
+    rows, n_rows = split_query_blocks_cuda(bounds, C, upper)
+    out = {"B": B, "C": C, "forward_grid_upper_bound": upper, "balanced_blocks": int(n_rows[0])}
+    stages = {
+        "pack (incl. range check syncs)": lambda: cv.pack_keys(coords, offs.min(0), offs.max(0)),
+        "sort": lambda: sort_keys_cuda(keys),
+        "backward_search": lambda: backward_search_cuda(skeys, skeys, deltas, B),
+        "split (scan + kernel)": lambda: split_query_blocks_cuda(bounds, C, upper),
+        "forward_search (incl. table fill)": lambda: forward_search_cuda(
+            skeys, skeys, deltas, rows, n_rows, B, C, upper),
+        "whole build_kernel_map": lambda: ns.build_kernel_map(coords, 3, backend="cuda"),
+    }
+    for name, fn in stages.items():
+        out[name] = {"gpu_ms": time_gpu(fn, args.repeats, args.warmup),
+                     "wall_ms": time_wall(fn, args.repeats, args.warmup)}
+    return out
+
+
+def bench_spconv(coords, args):
+    """spconv 2.x get_indice_pairs, submanifold 3x3x3, on the same voxels."""
+    import spconv
+    import torch
+    from spconv.pytorch import ops
+    try:
+        from spconv.core import ConvAlgo
+    except ImportError:
+        from spconv.pytorch import ConvAlgo
+
+    c = coords.get().astype(np.int64)
+    c -= c.min(axis=0)  # spconv wants non-negative coordinates
+    shape = (c.max(axis=0) + 1).tolist()
+    ind = torch.from_numpy(np.column_stack([np.zeros(len(c), np.int64), c]).astype(np.int32)).cuda()
+
+    def run():
+        return ops.get_indice_pairs(ind, 1, shape, ConvAlgo.Native, [3, 3, 3], [1, 1, 1],
+                                    [1, 1, 1], [1, 1, 1], [0, 0, 0], subm=True)
+
+    res = run()
+    pairs = None
+    try:
+        pairs = int(res[-1].sum().item())  # per-offset pair counts are the last result
+    except Exception:  # noqa: BLE001 - the layout of the result may differ across versions
+        pass
+    for _ in range(args.warmup):
+        run()
+    torch.cuda.synchronize()
+    gpu = []
+    for _ in range(args.repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        gpu.append(start.elapsed_time(end))
+    wall = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall.append((time.perf_counter() - t0) * 1e3)
+    return {"version": getattr(spconv, "__version__", "?"), "pairs": pairs,
+            "gpu_ms": statistics.median(gpu), "wall_ms": statistics.median(wall)}
+
+
+def bench_sweep(coords, args):
+    import numba_sc as ns
+
+    out = []
+    for B in SWEEP_B:
+        for C in SWEEP_C:
+            entry = {"B": B, "C": C}
+            try:
+                def run(B=B, C=C):
+                    return ns.build_kernel_map(coords, 3, backend="cuda", source_block=B, query_block=C)
+
+                entry["balanced_blocks"] = int(run().stats["query_blocks_after_balancing"])
+                entry["gpu_ms"] = time_gpu(run, args.repeats, args.warmup)
+            except Exception as e:  # noqa: BLE001
+                entry["error"] = f"{type(e).__name__}: {e}"
+                print(f"  sweep B={B} C={C} failed: {entry['error']}")
+            out.append(entry)
+    return out
+
+
+def verify_against_reference(coords):
+    """The GPU table equals the NumPy reference's (one run, not timed)."""
+    import numba_sc as ns
+    from numba_sc.backend import to_host
+
+    g = ns.build_kernel_map(coords, 3, backend="cuda")
+    r = ns.build_kernel_map(to_host(coords), 3, backend="reference")
+    return {"table_equal": bool(np.array_equal(to_host(g.table), r.table)),
+            "in_coords_equal": bool(np.array_equal(to_host(g.in_coords), r.in_coords)),
+            "reference_comparisons_per_query": r.stats["comparisons_per_query"],
+            "hit_rate": r.stats["hit_rate"]}
+
+
+# ------------------------------------------------------------------------ main
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", default=None, help="folder with semantickitti_000000.bin "
+                    "(default ../shared/data, then .devdata/)")
+    ap.add_argument("--out", required=True, help="write the full results as JSON here")
+    ap.add_argument("--repeats", type=int, default=20, help="timed runs per measurement (median)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--random-n", type=int, default=1_000_000)
+    ap.add_argument("--box", type=int, default=400)
+    ap.add_argument("--no-sweep", action="store_true", help="skip the B x C sweep")
+    ap.add_argument("--verify-random", action="store_true",
+                    help="also check the 1M-voxel table against the NumPy reference (slow, ~GBs of RAM)")
+    args = ap.parse_args(argv)
+    args.repeats = max(args.repeats, 1)
+
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+        sys.exit("bench_map: unset NUMBA_ENABLE_CUDASIM; this benchmark needs a real GPU")
+    import numba_sc as ns
+
+    if not ns.gpu_present():
+        sys.exit("bench_map: no CUDA GPU found")
+    import cupy
+    import numba
+
+    data_dir = find_data(args.data)
+    results = {"meta": {"data": str(data_dir),
+        "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+        "python": platform.python_version(), "numba": numba.__version__,
+        "cupy": cupy.__version__, "repeats": args.repeats, "warmup": args.warmup,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S")}}
+    try:
+        import numba_cuda
+
+        results["meta"]["numba_cuda"] = getattr(numba_cuda, "__version__", "?")
+    except ImportError:
+        pass
+    print(f"device: {results['meta']['device']}")
+
+    workloads = {}  # name -> CuPy int32 coordinates
+
+    def load(name, make):
+        workloads[name] = make()
+        return {"voxels": int(workloads[name].shape[0])}
+
+    if data_dir is None:
+        print(f"no {KITTI} under --data / ../shared/data / .devdata: skipping SemanticKITTI")
+    else:
+        section(results, "load_kitti", lambda: load("kitti_0.05m", lambda: kitti_coords(data_dir)))
+    section(results, "make_random", lambda: load(
+        f"random_{args.random_n}_in_{args.box}^3", lambda: random_coords(args.random_n, args.box)))
+
+    for name, coords in workloads.items():
+        print(f"\n== {name}: {int(coords.shape[0]):,} voxels, submanifold 3x3x3")
+        r = results.setdefault(name, {})
+        if name.startswith("kitti") or args.verify_random:
+            section(r, "verify", lambda: verify_against_reference(coords))
+        section(r, "map", lambda: bench_map(coords, args))
+        section(r, "map_without_cai_sync", lambda: bench_map_no_cai_sync(coords, args))
+        section(r, "stages", lambda: bench_stages(coords, args))
+        section(r, "spconv", lambda: bench_spconv(coords, args))
+        if not args.no_sweep:
+            section(r, "sweep", lambda: bench_sweep(coords, args))
+        print_summary(name, r)
+
+    Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+    print(f"\nwrote {args.out}")
+
+
+def print_summary(name, r):
+    def ms(d):
+        return f"{d['gpu_ms']:8.3f} gpu ms  {d['wall_ms']:8.3f} wall ms" if "gpu_ms" in d else d.get("error", "?")
+
+    if "verify" in r:
+        print(f"  verify vs reference: {r['verify']}")
+    print(f"  numba-sc Map step : {ms(r.get('map', {}))}")
+    print(f"   ... no CAI sync  : {ms(r.get('map_without_cai_sync', {}))}")
+    sp = r.get("spconv", {})
+    print(f"  spconv subm pairs : {ms(sp)}" + (f"  (pairs {sp.get('pairs')} vs ours "
+                                                f"{r.get('map', {}).get('pairs')})" if "gpu_ms" in sp else ""))
+    for stage, d in r.get("stages", {}).items():
+        if isinstance(d, dict):
+            print(f"    {stage:36s} {ms(d)}")
+    sweep = r.get("sweep")
+    if isinstance(sweep, list):
+        print("  sweep (gpu ms)   " + "".join(f"   C={c:<5d}" for c in SWEEP_C))
+        for B in SWEEP_B:
+            cells = {e["C"]: e.get("gpu_ms") for e in sweep if e["B"] == B}
+            print(f"    B={B:<5d}       " + "".join(
+                f"{cells[c]:10.3f}" if cells.get(c) is not None else "       err" for c in SWEEP_C))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Stage 5, backward binary search: cut every query segment into query blocks.
+
+The source array (sorted input keys, ``|P|`` of them) is cut into *source
+blocks* of ``B`` keys (the last one may be shorter). The last key of each block is
+its *pivot*. Instead of searching each query in the whole source array, Minuet
+turns the search around (paper Section 5.1.2, Figure 11 steps 1-2): each pivot is
+searched in each sorted query segment. Because both are sorted, the queries of
+segment ``k`` that can only match inside source block ``j`` are one contiguous
+run, the *query block* ``(k, j)``::
+
+    query block (k, j) = queries of segment k with key in (pivot[j-1], pivot[j]]
+                       = positions bounds[k, j] : bounds[k, j + 1]
+
+where ``bounds[k, j + 1]`` is the *upper bound* of ``pivot[j]`` in segment ``k``
+(the first query greater than the pivot) and ``bounds[k, 0] = 0``. Queries after
+``bounds[k, nblocks]`` are greater than every input and cannot match.
+
+Worked example, plain integers for keys and B = 2 to keep it small
+(:func:`numba_sc.build_kernel_map` asks for 32..4096)::
+
+    source  = [1, 4 | 6, 7 | 9]        pivots = [4, 7, 9]
+    segment = [0, 2, 3, 4, 5, 8, 12]   (one segment, K = 1)
+    upper bound of 4 -> 4, of 7 -> 5, of 9 -> 6:  bounds = [0, 4, 5, 6]
+    query blocks: [0, 2, 3, 4] -> source block 0, [5] -> block 1, [8] -> block 2;
+    12 is in no block (larger than every source key).
+
+Query blocks can be very unequal (data dependent). Step 3 of Figure 11 balances
+them: a block of ``n`` queries becomes ``ceil(n / C)`` *balanced* blocks of
+(almost) equal size, none larger than ``C``; empty blocks vanish. Each balanced
+block is a row ``(k, j, query start, query end)``, and the forward search runs
+one CUDA thread block per row. Finding where each block's rows go is an
+exclusive scan of the piece counts (library ``cumsum``); a kernel then writes the
+rows. In the example with C = 2 the first block (4 queries) gives two rows
+``(0, 0, 0, 2)`` and ``(0, 0, 2, 4)``.
+
+Costs (paper Section 5.1.3): ``K * ceil(|P|/B)`` searches of about
+``log2 |Q|`` steps each - for 94k voxels, 27 offsets and B = 256: 9,963 threads
+x 17 steps, a few hundred kB of key reads that mostly hit cache, because
+neighbouring threads search neighbouring pivots in the same segment. The bounds
+are ``8 K (|P|/B + 1)`` bytes; the balanced rows 16 bytes each.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from .backend import device_xp, launch
+from .query_segments import query_key, query_key_reference
+
+MIN_SOURCE_BLOCK = 32
+MAX_SOURCE_BLOCK = 4096  # 4096 int64 keys = 32 kB of shared memory (48 kB is the default cap)
+
+
+def check_block_sizes(source_block, query_block):
+    """Validate B and C; return them as ints. Errors name the argument and the fix."""
+    if isinstance(source_block, bool) or not isinstance(source_block, (int, np.integer)):
+        raise TypeError(f"source_block (B) must be an int, got {source_block!r}")
+    b = int(source_block)
+    if b < MIN_SOURCE_BLOCK or b > MAX_SOURCE_BLOCK or b & (b - 1):
+        raise ValueError(
+            f"source_block (B) must be a power of two in {MIN_SOURCE_BLOCK}..{MAX_SOURCE_BLOCK} "
+            f"(a source block lives in shared memory, 8 bytes a key), got {source_block!r}; "
+            "the paper's default is 256")
+    if isinstance(query_block, bool) or not isinstance(query_block, (int, np.integer)):
+        raise TypeError(f"query_block (C) must be an int, got {query_block!r}")
+    c = int(query_block)
+    if c <= 0:
+        raise ValueError(
+            f"query_block (C) must be a positive int (the largest balanced query block), got "
+            f"{query_block!r}; the paper's default is 512")
+    return b, c
+
+
+def num_source_blocks(n_source: int, B: int) -> int:
+    return (int(n_source) + B - 1) // B
+
+
+def max_balanced_blocks(K: int, n_source: int, n_query: int, B: int, C: int) -> int:
+    """An upper bound on the number of balanced query blocks, known without the data.
+
+    Block (k, j) with x queries gives ceil(x / C) <= x / C + 1 rows; summed over the
+    K * nblocks blocks, whose sizes add up to at most K * |Q|, that is at most
+    ``K * nblocks + K * |Q| / C`` (paper Section 5.1.3, footnote 1).
+    """
+    return K * num_source_blocks(n_source, B) + (K * int(n_query) + C - 1) // C
+
+
+# ------------------------------------------------------------------ reference
+def backward_search_reference(skeys, qkeys, deltas, B):
+    """Bounds of all query blocks, int64 (K, nblocks + 1), and the comparisons made.
+
+    Vectorized over all (segment, source block) lanes, the same lanes as the
+    kernel's threads; each loop iteration is one binary-search step of every lane
+    still searching, and every step is one key comparison, counted.
+    """
+    skeys, qkeys, deltas = (np.asarray(a, np.int64) for a in (skeys, qkeys, deltas))
+    P, Q, K = len(skeys), len(qkeys), len(deltas)
+    nb = num_source_blocks(P, B)
+    pivots = skeys[np.minimum((np.arange(nb) + 1) * B, P) - 1]  # last key of each block
+    lane_k = np.repeat(np.arange(K), nb)  # lane t = (k, j) with t = k * nb + j
+    lane_pivot = np.tile(pivots, K)
+    lo = np.zeros(K * nb, np.int64)
+    hi = np.full(K * nb, Q, np.int64)
+    comparisons = 0
+    while True:
+        act = np.flatnonzero(lo < hi)
+        if act.size == 0:
+            break
+        comparisons += act.size
+        mid = (lo[act] + hi[act]) >> 1
+        # upper bound: a query <= the pivot still belongs to this block or an earlier one
+        right = query_key_reference(qkeys, deltas, lane_k[act], mid) <= lane_pivot[act]
+        lo[act] = np.where(right, mid + 1, lo[act])
+        hi[act] = np.where(right, hi[act], mid)
+    bounds = np.zeros((K, nb + 1), np.int64)
+    bounds[:, 1:] = lo.reshape(K, nb)
+    return bounds, comparisons
+
+
+def split_query_blocks_reference(bounds, C):
+    """Balanced query blocks, int32 (n, 4) rows ``(k, j, query start, query end)``.
+
+    Block (k, j) of x queries becomes ceil(x / C) rows of sizes differing by at most
+    one; rows are ordered by (k, j) then position, exactly as the kernel writes them.
+    """
+    bounds = np.asarray(bounds, np.int64)
+    K, nb = bounds.shape[0], bounds.shape[1] - 1
+    starts = bounds[:, :-1].ravel()
+    sizes = np.diff(bounds, axis=1).ravel()
+    pieces = -(-sizes // C)  # ceil(size / C); 0 for an empty block
+    first = np.cumsum(pieces) - pieces  # exclusive scan: where each block's rows begin
+    owner = np.repeat(np.arange(K * nb), pieces)  # the (k, j) lane each row comes from
+    p = np.arange(len(owner)) - first[owner]  # the row's number within its block
+    n, size, start = pieces[owner], sizes[owner], starts[owner]
+    rows = np.stack([owner // nb, owner % nb, start + p * size // n, start + (p + 1) * size // n], axis=1)
+    return rows.astype(np.int32).reshape(-1, 4)
+
+
+# -------------------------------------------------------------------- kernels
+@cuda.jit
+def backward_search_kernel(skeys, qkeys, deltas, B, bounds):
+    """One thread per (segment k, source block j): upper bound of pivot j in segment k.
+
+    Thread t handles k = t // nblocks, j = t % nblocks, so a warp searches
+    neighbouring pivots in one segment and walks nearly the same path through it:
+    the sorted-query cache locality of Section 5.1, applied to the pivots.
+    """
+    t = cuda.grid(1)
+    nb = bounds.shape[1] - 1
+    if t < deltas.shape[0] * nb:
+        k = t // nb
+        j = t - k * nb
+        pivot = skeys[min((j + 1) * B, skeys.shape[0]) - 1]  # last key of source block j
+        lo = 0
+        hi = qkeys.shape[0]
+        while lo < hi:  # first query of segment k greater than the pivot
+            mid = (lo + hi) >> 1
+            if query_key(qkeys, deltas, k, mid) <= pivot:
+                lo = mid + 1
+            else:
+                hi = mid
+        bounds[k, j + 1] = lo
+        if j == 0:
+            bounds[k, 0] = 0  # every segment's first block starts at its first query
+
+
+@cuda.jit
+def split_query_blocks_kernel(bounds, C, inclusive, rows):
+    """One thread per query block (k, j): write its ceil(size / C) balanced rows.
+
+    ``inclusive`` is the inclusive scan of the piece counts, so this block's rows
+    start at ``inclusive[t] - pieces``. Sizes of the pieces differ by at most one.
+    """
+    t = cuda.grid(1)
+    nb = bounds.shape[1] - 1
+    if t < bounds.shape[0] * nb:
+        k = t // nb
+        j = t - k * nb
+        start = bounds[k, j]
+        size = bounds[k, j + 1] - start
+        n = (size + C - 1) // C  # the same ceil as the scan's input
+        first = inclusive[t] - n
+        for p in range(n):
+            r = first + p
+            rows[r, 0] = k
+            rows[r, 1] = j
+            rows[r, 2] = start + p * size // n
+            rows[r, 3] = start + (p + 1) * size // n
+
+
+def backward_search_cuda(skeys, qkeys, deltas, B):
+    """Device bounds, int64 (K, nblocks + 1): one launch covers all K segments."""
+    xp = device_xp()
+    K = deltas.shape[0]
+    nb = num_source_blocks(skeys.shape[0], B)
+    bounds = xp.empty((K, nb + 1), dtype=np.int64)  # the kernel writes every entry
+    launch(backward_search_kernel, K * nb, skeys, qkeys, deltas, B, bounds)
+    return bounds
+
+
+def split_query_blocks_cuda(bounds, C, max_rows):
+    """Balanced rows on the device, without reading their number on the host.
+
+    Returns ``(rows, n_rows)``: ``rows`` int32 (max_rows, 4), of which the first
+    ``n_rows[0]`` are written; ``n_rows`` is a 1-element *device* array (a view of
+    the scan's last entry), so nothing waits for the device here.
+    """
+    xp = device_xp()
+    sizes = bounds[:, 1:] - bounds[:, :-1]
+    pieces = ((sizes + (C - 1)) // C).ravel()
+    inclusive = xp.cumsum(pieces)  # the library scan
+    rows = xp.empty((max(int(max_rows), 1), 4), dtype=np.int32)
+    launch(split_query_blocks_kernel, pieces.shape[0], bounds, C, inclusive, rows)
+    return rows, inclusive[-1:]

@@ -1,0 +1,152 @@
+"""Stage 6, forward binary search: each query looked up in its source block only.
+
+After the backward search (stage 5) every query of segment ``k`` knows the one
+source block ``j`` that can hold it, and the balanced query blocks say which
+CUDA thread block handles it (paper Section 5.1.2, Figure 11 steps 4-5). A thread
+block
+
+1. loads the B keys of source block ``j`` into shared memory, every thread a
+   strided share (coalesced global reads), then waits at ``syncthreads``;
+2. lets each thread take queries ``start + threadIdx, start + threadIdx +
+   blockDim, ...`` of its query block, build each key on the fly (stage 4) and
+   binary-search it in shared memory: about ``log2 B`` steps instead of
+   ``log2 |P|``, and every step an on-chip read;
+3. writes ``table[k, i] = j * B + position`` on a hit. The table starts as -1, so
+   misses write nothing.
+
+Worked example (continuing stage 5: source ``[1, 4 | 6, 7 | 9]``, B = 2, one
+segment ``[0, 2, 3, 4, 5, 8, 12]``)::
+
+    block (0, 0, 0, 4): shared = [1, 4]; queries 0, 2, 3, 4 -> only 4 is there,
+                        at position 1: table[0, 3] = 0 * 2 + 1 = 1
+    block (0, 1, 4, 5): shared = [6, 7]; query 5 -> miss
+    block (0, 2, 5, 6): shared = [9];    query 8 -> miss
+    table[0] = [-1, -1, -1, 1, -1, -1, -1]
+
+Shared memory arrays need a size known when the kernel is compiled, so
+:func:`forward_search_kernel` builds one kernel per B and caches it.
+
+Launch without a device->host sync: the number of balanced blocks lives on the
+device. Rather than reading it (a sync that stalls the host until the GPU has
+caught up, ~10-50 us plus lost overlap), the launcher starts the known upper
+bound ``K * nblocks + ceil(K * |Q| / C)`` of thread blocks and each block first
+compares its index with the device count: surplus blocks return at once, which
+costs the GPU a few nanoseconds each.
+
+Bytes, 3x3x3 layer, |P| = |Q| = 94k, B = 256, C = 512: the blocks load about
+K * |P| * 8 B = 20 MB of source keys into shared memory (each source block once
+per segment, plus once more per extra split), read 2.5 M query keys (mostly from
+cache: 27 segments share the same 750 kB of Q keys) and write the 10 MB table.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, int64
+
+from .backend import device_xp, simulating
+from .query_segments import query_key, query_key_reference
+
+FORWARD_THREADS = 128  # threads per block on the GPU (the paper's setting)
+# Under the simulator every CUDA thread is a Python thread; fewer threads per block
+# make the tests much faster and make each thread walk the strided loops several
+# times, which is the harder case for correctness.
+SIMULATOR_THREADS = 16
+
+
+def forward_threads(C: int) -> int:
+    """Threads per block: 128 on the GPU (16 simulated), never more than C queries."""
+    return max(1, min(SIMULATOR_THREADS if simulating() else FORWARD_THREADS, int(C)))
+
+
+# ------------------------------------------------------------------ reference
+def forward_search_reference(skeys, qkeys, deltas, bounds, B):
+    """The kernel map ``table`` int32 (K, |Q|) and the comparisons made.
+
+    Vectorized over every query that lies in some query block. Each query does a
+    lower-bound binary search in its own source block ``j * B : j * B + B``, as
+    the kernel does in shared memory (the split into balanced blocks changes who
+    does the work, not the result). Each step of each query is one comparison,
+    counted; the final equality check is not counted as a step.
+    """
+    skeys, qkeys, deltas, bounds = (np.asarray(a, np.int64) for a in (skeys, qkeys, deltas, bounds))
+    P, Q, K = len(skeys), len(qkeys), len(deltas)
+    nb = bounds.shape[1] - 1
+    table = np.full((K, Q), -1, np.int32)
+    sizes = np.diff(bounds, axis=1).ravel()  # block (k, j) at k * nb + j
+    owner = np.repeat(np.arange(K * nb), sizes)  # the query block of each covered query
+    # query position i: block start + rank within the block
+    i = bounds[:, :-1].ravel()[owner] + np.arange(len(owner)) - (np.cumsum(sizes) - sizes)[owner]
+    k, j = owner // nb, owner % nb
+    q = query_key_reference(qkeys, deltas, k, i)
+    lo = j * B  # the search range is source block j only
+    hi = np.minimum(lo + B, P)
+    comparisons = 0
+    while True:
+        act = np.flatnonzero(lo < hi)
+        if act.size == 0:
+            break
+        comparisons += act.size
+        mid = (lo[act] + hi[act]) >> 1
+        right = skeys[mid] < q[act]  # lower bound: first source key >= query
+        lo[act] = np.where(right, mid + 1, lo[act])
+        hi[act] = np.where(right, hi[act], mid)
+    # lo < P always: a covered query is <= its block's last key (the pivot)
+    hit = skeys[np.minimum(lo, P - 1)] == q
+    table[k[hit], i[hit]] = lo[hit]
+    return table, comparisons
+
+
+# -------------------------------------------------------------------- kernels
+@lru_cache(maxsize=None)
+def forward_search_kernel(B: int):
+    """The forward-search kernel for source blocks of ``B`` keys (compiled once per B)."""
+
+    @cuda.jit
+    def forward_search(skeys, qkeys, deltas, rows, n_rows, table):
+        """One thread block per balanced query block ``rows[blockIdx]``."""
+        r = cuda.blockIdx.x
+        if r >= n_rows[0]:
+            return  # surplus block of the upper-bound launch; the whole block leaves together
+        k = rows[r, 0]
+        j = rows[r, 1]
+        first = np.int64(j) * B  # global sorted index of the source block's first key
+        n = min(B, skeys.shape[0] - first)  # the last source block may be short
+        source = cuda.shared.array(B, int64)  # B is a compile-time constant here
+        for t in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+            source[t] = skeys[first + t]  # neighbouring threads, neighbouring keys: coalesced
+        cuda.syncthreads()  # the whole block must be loaded before anyone searches
+        for i in range(rows[r, 2] + cuda.threadIdx.x, rows[r, 3], cuda.blockDim.x):
+            q = query_key(qkeys, deltas, k, i)
+            lo = 0
+            hi = n
+            while lo < hi:  # lower bound: first key >= q, all in shared memory
+                mid = (lo + hi) >> 1
+                if source[mid] < q:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            # lo < n always holds (the query is <= the block's pivot, source[n - 1]);
+            # the test only guards shared memory against a corrupted rows array
+            if lo < n and source[lo] == q:
+                table[k, i] = first + lo
+
+    return forward_search
+
+
+def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, table=None):
+    """Launch the forward search over ``grid`` thread blocks; returns the table.
+
+    ``grid`` is the number of balanced rows when it is known on the host (the
+    simulator, where reading it is free) or the upper bound from
+    :func:`numba_sc.backward_search.max_balanced_blocks` (the GPU, see the module
+    docstring). ``table`` (int32 (K, |Q|)) is created filled with -1 when not given.
+    """
+    xp = device_xp()
+    if table is None:
+        table = xp.full((deltas.shape[0], qkeys.shape[0]), -1, dtype=np.int32)
+    if grid > 0:
+        forward_search_kernel(int(B))[int(grid), forward_threads(C)](
+            skeys, qkeys, deltas, rows, n_rows, table)
+    return table
