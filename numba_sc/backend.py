@@ -85,7 +85,8 @@ def to_device(a):
     """
     if a is None:
         return None
-    return device_xp().ascontiguousarray(a)
+    xp = device_xp()
+    return xp.ascontiguousarray(xp.asarray(a))  # CuPy's ascontiguousarray takes CuPy input only
 
 
 def to_host(a):
