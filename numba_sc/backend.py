@@ -86,7 +86,9 @@ def to_device(a):
     if a is None:
         return None
     xp = device_xp()
-    return xp.ascontiguousarray(xp.asarray(a))  # CuPy's ascontiguousarray takes CuPy input only
+    a = xp.asarray(a)
+    # (not ascontiguousarray unconditionally: it turns a 0-d array into a 1-d one)
+    return a if a.flags.c_contiguous else xp.ascontiguousarray(a)
 
 
 def to_host(a):

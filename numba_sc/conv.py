@@ -98,7 +98,8 @@ class SparseTensor:
     """
 
     def __init__(self, coords, features, stride=1):
-        coords = cv.validate_coords(coords, "coords")
+        # Range: checked by pack_keys below (in a kernel for device arrays).
+        coords = cv.validate_coords(coords, "coords", check_range=False)
         if not hasattr(features, "shape") or not hasattr(features, "dtype"):
             raise TypeError(f"features must be a NumPy or CuPy array, got {type(features).__name__}")
         if features.ndim != 2:

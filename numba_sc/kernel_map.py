@@ -190,7 +190,9 @@ def _sorted_keys(coords, reach, name, sort, count_duplicates):
     else needs to read the coordinates first. Returns the sorted keys, the order
     and the coordinates in that order as int32.
     """
-    keys = cv.pack_keys(coords, reach[0], reach[1], name=name)
+    # The reference packs with NumPy; the kernel path with the pack kernel.
+    pack = cv.pack_keys if sort is sort_keys_reference else cv.pack_keys_device
+    keys = pack(coords, reach[0], reach[1], name=name)
     skeys, order = sort(keys)
     n = int(count_duplicates(skeys))  # on the device path: one small device->host read
     if n:
@@ -273,7 +275,8 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
         in_coords, out_coords, st, offsets, xp, sort_keys_cuda, count_duplicates_cuda)
     if qkeys is None:
         out_sorted = output_coordinates(in_sorted, st, ts, backend="cuda")
-        qkeys = cv.pack_keys(out_sorted, offsets.min(axis=0), offsets.max(axis=0), name="output coordinates")
+        qkeys = cv.pack_keys_device(out_sorted, offsets.min(axis=0), offsets.max(axis=0),
+                                    name="output coordinates")
         out_order = xp.arange(qkeys.shape[0], dtype=np.int64)
     d_deltas = _device_deltas(ks, dil, ts)  # int64 (K,), already on the device
     skeys = xp.ascontiguousarray(skeys)

@@ -55,27 +55,41 @@ def output_coordinates_reference(coords, stride, tensor_stride=1):
 
 
 @cuda.jit
-def downsample_pack_kernel(coords, s, sx, sy, sz, keys):
+def downsample_pack_kernel(coords, s, sx, sy, sz, keys, flag):
     """One thread per input coordinate: key of floor(c / stride) * stride.
 
-    Numba's integer ``//`` follows Python: it floors, also for negatives.
+    Numba's integer ``//`` follows Python: it floors, also for negatives. A
+    coordinate whose snapped value (or batch index) leaves the packable range
+    sets ``flag[0]`` instead of wrapping; the host then explains the error.
     """
     i = cuda.grid(1)
     if i < coords.shape[0]:
-        b = coords[i, 0] if s == 1 else 0
+        b = np.int64(coords[i, 0]) if s == 1 else np.int64(0)
         x = (np.int64(coords[i, s]) // sx) * sx
         y = (np.int64(coords[i, s + 1]) // sy) * sy
         z = (np.int64(coords[i, s + 2]) // sz) * sz
-        keys[i] = cv.pack_key_device(b, x, y, z)
+        if (0 <= b <= cv.BATCH_MAX and cv.COORD_MIN <= x <= cv.COORD_MAX
+                and cv.COORD_MIN <= y <= cv.COORD_MAX and cv.COORD_MIN <= z <= cv.COORD_MAX):
+            keys[i] = cv.pack_key_device(b, x, y, z)
+        else:
+            keys[i] = 0
+            flag[0] = 1
 
 
 def output_coordinates_cuda(coords, stride, tensor_stride=1):
-    coords, st = _prepare(coords, stride, tensor_stride)
+    # Shape and dtype here; the range inside the kernel (no min/max reductions).
+    coords = cv.validate_coords(coords, "coords", check_range=False)
+    st = np.array(cv.as_int_tuple(stride, "stride"), dtype=np.int64) * np.array(
+        cv.as_int_tuple(tensor_stride, "tensor_stride"), dtype=np.int64)
     xp = device_xp()
     c = to_device(coords)
     n, s = c.shape[0], c.shape[1] - 3
     keys = xp.empty(n, dtype=np.int64)
-    launch(downsample_pack_kernel, n, c, s, int(st[0]), int(st[1]), int(st[2]), keys)
+    flag = xp.zeros(1, dtype=np.int32)
+    launch(downsample_pack_kernel, n, c, s, int(st[0]), int(st[1]), int(st[2]), keys, flag)
+    if int(flag[0]):
+        _prepare(to_host(c), stride, tensor_stride)  # raises the precise error
+        raise AssertionError("downsample_pack_kernel flagged a coordinate the host check accepts")
     su = sort_unique_cuda(keys)
     out = xp.empty((su.keys.shape[0], 3 + s), dtype=np.int32)
     launch(unpack_kernel, su.keys.shape[0], su.keys, s, out)
