@@ -45,7 +45,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, int64
 
-from .backend import device_xp, simulating
+from .backend import launch, device_xp, simulating
 from .query_segments import query_key, query_key_reference
 
 FORWARD_THREADS = 128  # threads per block on the GPU (the paper's setting)
@@ -147,6 +147,6 @@ def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, table=No
     if table is None:
         table = xp.full((deltas.shape[0], qkeys.shape[0]), -1, dtype=np.int32)
     if grid > 0:
-        forward_search_kernel(int(B))[int(grid), forward_threads(C)](
-            skeys, qkeys, deltas, rows, n_rows, table)
+        launch(forward_search_kernel(int(B)), int(grid), skeys, qkeys, deltas, rows, n_rows, table,
+               threads=forward_threads(C), blocks=int(grid))
     return table

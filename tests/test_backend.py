@@ -1,0 +1,39 @@
+"""The launch path: the fast launcher must compute what Numba's dispatcher computes.
+
+The fast path exists only on a real GPU (under the simulator every launch goes
+through the dispatcher), so this test runs on the GPU machine and is skipped in
+CI, where no GPU exists; `.ci/run` cannot exercise it.
+"""
+import numpy as np
+import pytest
+from numba import cuda
+
+from numba_sc import backend
+
+
+@cuda.jit
+def mixed_kernel(a2d, b, scale, offset, flip, out):
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        v = a2d[i, 0] * scale + a2d[i, 1] + b[i] + offset
+        out[i] = -v if flip else v
+
+
+@pytest.mark.skipif(not backend.gpu_present(), reason="the fast launch path runs only on a GPU")
+def test_fast_launch_matches_dispatcher():
+    import cupy
+
+    rng = np.random.default_rng(1)
+    a = cupy.asarray(rng.normal(size=(5000, 2)).astype(np.float32))
+    b = cupy.asarray(rng.integers(-9, 9, 5000).astype(np.int64))
+    expect = (a[:, 0] * 1.5 + a[:, 1] + b + 7).get()
+    for flip in (False, True, False):  # first call learns, the others go fast
+        out = cupy.full(5000, np.nan, np.float32)
+        backend.launch(mixed_kernel, 5000, a, b, 1.5, 7, flip, out, threads=128)
+        np.testing.assert_allclose(out.get(), -expect if flip else expect, rtol=1e-6)
+    assert any(k[0] is mixed_kernel for k in backend._FAST._compiled)
+    # A non-contiguous view is a different signature: it is learned, not mixed up.
+    out2 = cupy.zeros(10000, np.float32)[::2]
+    backend.launch(mixed_kernel, 5000, a, b, 1.5, 7, False, out2)
+    backend.launch(mixed_kernel, 5000, a, b, 1.5, 7, False, out2)
+    np.testing.assert_allclose(out2.get(), expect, rtol=1e-6)
