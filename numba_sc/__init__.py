@@ -18,6 +18,7 @@ NumPy reference and the ``@cuda.jit`` kernels, in the order of the paper:
     scatter          10. tiled scatter-sum of partial results, no atomics
     autotune         11. tile sizes per layer (Algorithm 2)
     conv             SparseTensor and sparse_conv3d: Map + GMaS assembled
+    trace, check     every intermediate of a layer; kernel-vs-reference per stage
 """
 from .backend import gpu_present, resolve_backend, simulating
 from .conventions import kernel_offsets, key_delta, pack_keys, unpack_keys
@@ -27,12 +28,13 @@ from .gemm_grouping import padding_report
 from .kernel_map import KernelMap, build_kernel_map
 from .metadata import GmasPlan, build_plan, grouping_report
 from .output_coords import output_coordinates
+from .trace import Trace, trace
 from .voxelization import Voxelization, voxelize
 
 __all__ = [
     "GmasPlan", "KernelMap", "SparseTensor", "TileChoice", "Voxelization", "autotune",
     "build_kernel_map", "build_plan", "gpu_present", "grouping_report", "heuristic_tile",
     "kernel_offsets", "key_delta", "output_coordinates", "pack_keys", "padding_report",
-    "resolve_backend", "simulating", "sparse_conv3d", "unpack_keys", "voxelize",
+    "resolve_backend", "simulating", "sparse_conv3d", "Trace", "trace", "unpack_keys", "voxelize",
 ]
 __version__ = "0.1.0"

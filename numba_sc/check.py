@@ -93,14 +93,43 @@ def default_stages():
                     f"vs reference {b[i, :4].round(5).tolist()}... (relative error {err[i]:.1e})")
         return None
 
+    def kmap(ctx, backend):
+        from .kernel_map import build_kernel_map
+
+        # Small blocks so that a crop still has many source blocks and splits.
+        return build_kernel_map(ctx["voxels"].coords, 3, backend=backend, source_block=64, query_block=64)
+
     return [
         Stage("1 voxelize", vox, lambda r: f"{len(r.coords)} voxels", vox_cmp),
         Stage("2 output coords (s=2)", out2, lambda r: f"{len(r)} coords",
               lambda k, r: _first_row_mismatch(k, r, "coords")),
+        Stage("3-6 kernel map (3x3x3, B=64, C=64)", kmap, lambda r: f"{int(to_host(r.counts).sum())} pairs",
+              kernel_map_mismatch),
         Stage("7 metadata tables", plan, lambda r: f"{r.rows} buffer rows", plan_cmp),
         Stage("8-10 gather, GEMM, scatter (3x3x3, 8->8)", conv_layer,
               lambda r: f"{len(r.coords)} x {r.features.shape[1]}", conv_cmp),
     ]
+
+
+def kernel_map_mismatch(k, r):
+    """First differing kernel-map entry, told as coordinates: output, offset, input."""
+    problem = (_first_row_mismatch(k.in_coords, r.in_coords, "sorted input coordinates")
+               or _first_row_mismatch(k.out_coords, r.out_coords, "sorted output coordinates"))
+    if problem:
+        return problem
+    a, b = to_host(k.table), to_host(r.table)
+    bad = np.argwhere(a != b)
+    if not len(bad):
+        return None
+    kk, i = bad[0].tolist()
+    q, d = to_host(r.out_coords)[i], np.asarray(r.offsets)[kk]
+    pin = to_host(r.in_coords)
+
+    def name(j):
+        return "no input (-1)" if j < 0 else f"input {j} at {pin[j].tolist()}"
+
+    return (f"{len(bad)} table entries differ; first: output {i} at {q.tolist()}, offset {d.tolist()} "
+            f"(looking for {(q[-3:] + d).tolist()}): expected {name(int(b[kk, i]))}, found {name(int(a[kk, i]))}")
 
 
 def _first_table_mismatch(a, b, what):
