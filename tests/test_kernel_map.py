@@ -6,7 +6,6 @@ coordinate tuple to sorted index (small clouds) or ``searchsorted`` on keys pack
 by this file's own formula (full scans).
 """
 import itertools
-import sys
 
 import numpy as np
 import pytest
@@ -22,16 +21,6 @@ from numba_sc.backward_search import (backward_search_cuda, backward_search_refe
                                       split_query_blocks_reference)
 from numba_sc.forward_search import forward_search_cuda, forward_search_reference
 from numba_sc.query_segments import query_segments_reference
-
-
-@pytest.fixture(autouse=True, scope="module")
-def fast_simulator_threads():
-    """The simulator polls its Python threads while holding the GIL; a short switch
-    interval makes a block of threads several times faster (nothing else changes)."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(5e-4)
-    yield
-    sys.setswitchinterval(old)
 
 
 # ---------------------------------------------------------------- the oracle
