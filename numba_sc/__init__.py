@@ -1,7 +1,7 @@
 """numba-sc: the Minuet sparse-convolution engine as a readable Numba-CUDA reference.
 
 Each stage of the pipeline is one module holding a docstring that teaches it, the
-NumPy reference and the ``@cuda.jit`` kernels, in the order of the paper:
+NumPy reference and the CUDA kernels (Numba), in the order of the paper:
 
     conventions      coordinates, 64-bit keys, kernel offsets (one place for each)
     backend          "cuda" (GPU or simulator) / "reference" (NumPy); the API edge

@@ -3,7 +3,7 @@
 Two backends compute every stage:
 
 ``"cuda"``
-    The ``@cuda.jit`` kernels. On a machine with a GPU they run on it, with CuPy
+    The CUDA kernels (Numba). On a machine with a GPU they run on it, with CuPy
     for the library pieces (sort, scan, GEMM). With ``NUMBA_ENABLE_CUDASIM=1`` set
     *before numba is imported* the very same kernels run on the CPU under Numba's
     CUDA simulator, one Python thread per CUDA thread, and the library pieces come

@@ -158,6 +158,11 @@ def pack_keys(coords, reach_lo=(0, 0, 0), reach_hi=(0, 0, 0), name="coords"):
     """
     if _is_cupy(coords):
         return pack_keys_device(coords, reach_lo, reach_hi, name)
+    return pack_keys_reference(coords, reach_lo, reach_hi, name)
+
+
+def pack_keys_reference(coords, reach_lo=(0, 0, 0), reach_hi=(0, 0, 0), name="coords"):
+    """NumPy packing: the reference of :func:`pack_kernel` (host arrays)."""
     coords = validate_coords(coords, name)
     xp = _xp_of(coords)
     s = coords.shape[1] - 3
@@ -281,6 +286,6 @@ def pack_keys_device(coords, reach_lo=(0, 0, 0), reach_hi=(0, 0, 0), name="coord
     rh = [int(v) for v in reach_hi]
     launch(pack_kernel, c.shape[0], c, c.shape[1] - 3, *rl, *rh, keys, flag)
     if int(flag[0]):
-        pack_keys(to_host(c), reach_lo, reach_hi, name)  # raises with the details
+        pack_keys_reference(to_host(c), reach_lo, reach_hi, name)  # raises with the details
         raise AssertionError("pack_kernel flagged a coordinate the host check accepts")
     return keys
