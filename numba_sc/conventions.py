@@ -275,9 +275,7 @@ def pack_keys_device(coords, reach_lo=(0, 0, 0), reach_hi=(0, 0, 0), name="coord
     """
     from .backend import device_xp, launch, to_device, to_host
 
-    if not hasattr(coords, "shape") or len(coords.shape) != 2 or coords.shape[1] not in (3, 4) \
-            or coords.shape[0] == 0 or not np.issubdtype(np.dtype(coords.dtype), np.integer):
-        validate_coords(to_host(coords) if _is_cupy(coords) else coords, name)  # raises the right error
+    coords = validate_coords(coords, name, check_range=False)  # shape, dtype; range: in the kernel
     xp = device_xp()
     c = to_device(coords)
     keys = xp.empty(c.shape[0], dtype=np.int64)
