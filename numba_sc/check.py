@@ -39,12 +39,27 @@ def _first_row_mismatch(a, b, what):
     return None
 
 
-def sync():
-    """Wait for the GPU (a no-op without one), so host timers measure finished work."""
-    if gpu_present():
-        import cupy
+def crop_points(points, n):
+    """The n points nearest (Chebyshev distance) to the point nearest the cloud's centre."""
+    if n >= len(points):
+        return np.arange(len(points))
+    xyz = points[:, -3:]
+    centre = xyz[np.argmin(np.abs(xyz - np.median(xyz, axis=0)).max(axis=1))]
+    return np.sort(np.argsort(np.abs(xyz - centre).max(axis=1), kind="stable")[:n])
 
-        cupy.cuda.Device().synchronize()
+
+def make_context(points, features, voxel_size):
+    """The inputs every stage reads: the cloud, its reference voxels, conv features and weights."""
+    from .voxelization import voxelize
+
+    ctx = {"points": points, "features": features, "voxel_size": voxel_size}
+    ctx["voxels"] = voxelize(points, voxel_size, features, backend="reference")
+    # Inputs for the convolution stages: fixed pseudo-random features and weights
+    # (8 -> 8 channels, so that tiles of 1, 2, 4 and 8 channels all divide them).
+    rng = np.random.default_rng(0)
+    ctx["conv_features"] = rng.standard_normal((len(ctx["voxels"].coords), 8)).astype(np.float32)
+    ctx["conv_weight"] = (rng.standard_normal((27, 8, 8)) / np.sqrt(27 * 8)).astype(np.float32)
+    return ctx
 
 
 def default_stages():
@@ -149,8 +164,6 @@ def run_check(points, features, voxel_size, stage=None, crop=1500, stages=None, 
 
     Returns a list of ``(stage name, ok, detail)``; prints a table through ``log``.
     """
-    from .demo import _context, crop_points
-
     stages = stages or default_stages()
     if stage:
         stages = [s for s in stages if stage.lower() in s.name.lower()]
@@ -162,7 +175,7 @@ def run_check(points, features, voxel_size, stage=None, crop=1500, stages=None, 
         points = np.ascontiguousarray(points[idx])
         features = None if features is None else np.ascontiguousarray(features[idx])
         log(f"No GPU: kernels run under the CUDA simulator on a crop of {len(points)} points.")
-    ctx = _context(points, features, voxel_size)
+    ctx = make_context(points, features, voxel_size)
     results = []
     for st in stages:
         try:

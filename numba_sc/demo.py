@@ -13,29 +13,15 @@ import time
 import numpy as np
 
 from .backend import gpu_present, simulating
-from .check import default_stages, sync as _sync
+from .check import crop_points, default_stages, make_context
 
 
-def crop_points(points, n):
-    """The n points nearest (Chebyshev distance) to the point nearest the cloud's centre."""
-    if n >= len(points):
-        return np.arange(len(points))
-    xyz = points[:, -3:]
-    centre = xyz[np.argmin(np.abs(xyz - np.median(xyz, axis=0)).max(axis=1))]
-    return np.sort(np.argsort(np.abs(xyz - centre).max(axis=1), kind="stable")[:n])
+def _sync():
+    """Wait for the GPU (a no-op without one), so host timers measure finished work."""
+    if gpu_present():
+        import cupy
 
-
-def _context(points, features, voxel_size):
-    from .voxelization import voxelize
-
-    ctx = {"points": points, "features": features, "voxel_size": voxel_size}
-    ctx["voxels"] = voxelize(points, voxel_size, features, backend="reference")
-    # Inputs for the convolution stages: fixed pseudo-random features and weights
-    # (8 -> 8 channels, so that tiles of 1, 2, 4 and 8 channels all divide them).
-    rng = np.random.default_rng(0)
-    ctx["conv_features"] = rng.standard_normal((len(ctx["voxels"].coords), 8)).astype(np.float32)
-    ctx["conv_weight"] = (rng.standard_normal((27, 8, 8)) / np.sqrt(27 * 8)).astype(np.float32)
-    return ctx
+        cupy.cuda.Device().synchronize()
 
 
 def _timed(fn, *args):
@@ -49,13 +35,13 @@ def _timed(fn, *args):
 def run_stages(points, features, voxel_size, crop=1500, stages=None, log=print):
     """Run every stage with both backends; return table rows (and print them via ``log``)."""
     stages = stages or default_stages()
-    full = _context(points, features, voxel_size)
+    full = make_context(points, features, voxel_size)
     if gpu_present():
         kctx, where = full, "cuda (GPU)"
     else:
         idx = crop_points(points, crop)
         sub = (np.ascontiguousarray(points[idx]), None if features is None else np.ascontiguousarray(features[idx]))
-        kctx, where = _context(*sub, voxel_size), f"cuda (simulator, crop of {len(idx)} points)"
+        kctx, where = make_context(*sub, voxel_size), f"cuda (simulator, crop of {len(idx)} points)"
         log(f"No GPU: the CUDA kernels run under Numba's CUDA simulator on a crop of {len(idx)} "
             f"points; the NumPy reference runs on all {len(points)} points.")
     rows = []
