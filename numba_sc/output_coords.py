@@ -25,21 +25,26 @@ import numpy as np
 from numba import cuda
 
 from . import conventions as cv
-from .backend import device_xp, is_cupy, launch, like, resolve_backend, to_device, to_host
+from .backend import device_xp, launch, like, resolve_backend, to_device, to_host
 from .sorting import sort_unique_cuda, sort_unique_reference
 from .voxelization import unpack_kernel
 
 
-def _prepare(coords, stride, tensor_stride):
-    coords = cv.validate_coords(coords, "coords")
-    st = np.array(cv.as_int_tuple(stride, "stride"), dtype=np.int64) * np.array(
+def _total_stride(stride, tensor_stride):
+    """``s * t`` per axis, int64 (3,)."""
+    return np.array(cv.as_int_tuple(stride, "stride"), dtype=np.int64) * np.array(
         cv.as_int_tuple(tensor_stride, "tensor_stride"), dtype=np.int64)
+
+
+def _prepare(coords, stride, tensor_stride):
+    """Host-side checks: the coordinates, and the range of the snapped coordinates."""
+    coords = cv.validate_coords(coords, "coords")
+    st = _total_stride(stride, tensor_stride)
     # The snapped coordinates may step below the smallest input (floor), so check
     # their range, not only the input's.
-    xp = device_xp() if is_cupy(coords) else np
     s = coords.shape[1] - 3
-    lo = to_host(xp.min(coords[:, s:], axis=0)).astype(np.int64)
-    hi = to_host(xp.max(coords[:, s:], axis=0)).astype(np.int64)
+    lo = coords[:, s:].min(axis=0).astype(np.int64)
+    hi = coords[:, s:].max(axis=0).astype(np.int64)
     cv.check_packable((lo // st) * st, (hi // st) * st, name="output coordinates")
     return coords, st
 
@@ -79,8 +84,7 @@ def downsample_pack_kernel(coords, s, sx, sy, sz, keys, flag):
 def output_coordinates_cuda(coords, stride, tensor_stride=1):
     # Shape and dtype here; the range inside the kernel (no min/max reductions).
     coords = cv.validate_coords(coords, "coords", check_range=False)
-    st = np.array(cv.as_int_tuple(stride, "stride"), dtype=np.int64) * np.array(
-        cv.as_int_tuple(tensor_stride, "tensor_stride"), dtype=np.int64)
+    st = _total_stride(stride, tensor_stride)
     xp = device_xp()
     c = to_device(coords)
     n, s = c.shape[0], c.shape[1] - 3
