@@ -183,15 +183,13 @@ def _duplicate_error(name, n):
         "De-duplicate first, e.g. with numba_sc.voxelize or np.unique(coords, axis=0)")
 
 
-def _sorted_keys(coords, reach, name, sort, count_duplicates):
+def _sorted_keys(coords, reach, name, pack, sort, count_duplicates):
     """Pack (with the kernel's reach when these keys become queries), sort, check unique.
 
-    ``pack_keys`` validates the array (shape, integer dtype, range), so nothing
+    ``pack`` (the backend's packer) validates the array (shape, integer dtype, range), so nothing
     else needs to read the coordinates first. Returns the sorted keys, the order
     and the coordinates in that order as int32.
     """
-    # The reference packs with NumPy; the kernel path with the pack kernel.
-    pack = cv.pack_keys if sort is sort_keys_reference else cv.pack_keys_device
     keys = pack(coords, reach[0], reach[1], name=name)
     skeys, order = sort(keys)
     n = int(count_duplicates(skeys))  # on the device path: one small device->host read
@@ -200,7 +198,7 @@ def _sorted_keys(coords, reach, name, sort, count_duplicates):
     return skeys, order, coords.astype(np.int32, copy=False)[order]
 
 
-def _prepare(in_coords, out_coords, st, offsets, xp, sort, count_duplicates):
+def _prepare(in_coords, out_coords, st, offsets, xp, pack, sort, count_duplicates):
     """Stage 3 for both backends: sorted source keys, sorted query keys, coordinates.
 
     Queries ``q + delta`` must stay packable, so the query coordinates are packed
@@ -210,12 +208,13 @@ def _prepare(in_coords, out_coords, st, offsets, xp, sort, count_duplicates):
     no_reach = ((0, 0, 0), (0, 0, 0))
     submanifold = out_coords is None and st == (1, 1, 1)
     skeys, in_order, in_sorted = _sorted_keys(in_coords, reach if submanifold else no_reach,
-                                              "in_coords", sort, count_duplicates)
+                                              "in_coords", pack, sort, count_duplicates)
     if submanifold:  # one sorted array is both the source and the query array
         return skeys, in_order, in_sorted, skeys, in_sorted, xp.arange(skeys.shape[0], dtype=np.int64)
     if out_coords is None:
         return skeys, in_order, in_sorted, None, None, None  # outputs made by the caller of _prepare
-    qkeys, out_order, out_sorted = _sorted_keys(out_coords, reach, "out_coords", sort, count_duplicates)
+    qkeys, out_order, out_sorted = _sorted_keys(out_coords, reach, "out_coords", pack, sort,
+                                                   count_duplicates)
     return skeys, in_order, in_sorted, qkeys, out_sorted, out_order
 
 
@@ -228,7 +227,8 @@ def build_kernel_map_reference(in_coords, kernel_size=3, stride=1, dilation=1, t
     in_coords, out_coords = to_host(in_coords), to_host(out_coords)
     _check_columns(in_coords, out_coords)
     skeys, in_order, in_sorted, qkeys, out_sorted, out_order = _prepare(
-        in_coords, out_coords, st, offsets, np, sort_keys_reference, count_duplicates_reference)
+        in_coords, out_coords, st, offsets, np, cv.pack_keys_reference, sort_keys_reference,
+        count_duplicates_reference)
     if qkeys is None:  # strided layer, default outputs: already sorted and unique
         out_sorted = output_coordinates(in_sorted, st, ts, backend="reference")
         qkeys = cv.pack_keys(out_sorted, offsets.min(axis=0), offsets.max(axis=0), name="output coordinates")
@@ -272,7 +272,8 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     in_coords, out_coords = to_device(in_coords), to_device(out_coords)
     _check_columns(in_coords, out_coords)
     skeys, in_order, in_sorted, qkeys, out_sorted, out_order = _prepare(
-        in_coords, out_coords, st, offsets, xp, sort_keys_cuda, count_duplicates_cuda)
+        in_coords, out_coords, st, offsets, xp, cv.pack_keys_device, sort_keys_cuda,
+        count_duplicates_cuda)
     if qkeys is None:
         out_sorted = output_coordinates(in_sorted, st, ts, backend="cuda")
         qkeys = cv.pack_keys_device(out_sorted, offsets.min(axis=0), offsets.max(axis=0),
