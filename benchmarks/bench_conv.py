@@ -112,7 +112,7 @@ def bench_numba_sc(coords, cin, cout, dtype, args, rec):
     import numba_sc
     from numba_sc.conv import _prepare_layer
     from numba_sc.gather import gather_cuda
-    from numba_sc.gemm_grouping import grouped_gemm_cuda, matmul
+    from numba_sc.gemm_grouping import centre_product_cuda, grouped_gemm_cuda
     from numba_sc.kernel_map import build_kernel_map
     from numba_sc.metadata import build_plan
     from numba_sc.scatter import scatter_cuda
@@ -138,11 +138,11 @@ def bench_numba_sc(coords, cin, cout, dtype, args, rec):
     f, wd, km2, plan = _prepare_layer(x, w, 3, 1, 1, False, km, "cuda")
     ibuf = gather_cuda(f, plan.in_table, plan.rows, tiles[0])
     obuf = cupy.empty((plan.rows, cout), dtype=dtype)
-    init = matmul(f, wd[plan.centre]) if plan.centre >= 0 else None
+    init = centre_product_cuda(f, wd, plan.centre) if plan.centre >= 0 else None
     stages = {
-        "map": lambda: build_kernel_map(x.coords, 3, backend="cuda"),
+        "map": lambda: build_kernel_map(x.coords, 3, backend="cuda", assume_sorted=True),
         "metadata": lambda: build_plan(km, backend="cuda"),
-        "centre": (lambda: matmul(f, wd[plan.centre])) if plan.centre >= 0 else None,
+        "centre": (lambda: centre_product_cuda(f, wd, plan.centre)) if plan.centre >= 0 else None,
         "gather": lambda: gather_cuda(f, plan.in_table, plan.rows, tiles[0]),
         "gemm": lambda: grouped_gemm_cuda(ibuf, wd, plan.groups, obuf),
         # with init: the same read-add-write a real layer does (values drift; harmless)

@@ -15,9 +15,11 @@ What it measures, each as the median of ``--repeats`` runs after warm-up:
 Workloads: a submanifold 3x3x3 layer on SemanticKITTI voxelized at 0.05 m
 (94k voxels) and on 1,000,000 random unique voxels in a 400^3 box. For each: a
 check of the GPU table against the NumPy reference (KITTI), the whole Map step
-(also with Numba's CUDA-array-interface stream sync off), the stage breakdown (pack + sort, backward search, split, forward
-search), spconv 2.x's ``get_indice_pairs`` (subm) in the same run when spconv
-imports, and a sweep of B x C. A short table is printed; everything goes to the
+on the sorted voxels (as voxelize hands them out), with ``assume_sorted=True``
+(as sparse_conv3d calls it) and on a shuffled copy (the sort included), the
+stage breakdown (pack, sort, backward search + scan, forward search), spconv
+2.x's ``get_indice_pairs`` (subm) in the same run when spconv imports, and a
+sweep of B x C. A short table is printed; everything goes to the
 JSON file given by ``--out``. Every section is wrapped so that one failure is
 printed and recorded and the rest still runs.
 """
@@ -112,76 +114,68 @@ def kitti_coords(data_dir):
 
 
 def random_coords(n=1_000_000, box=400, seed=0):
+    """n unique random voxels, sorted as voxelize / SparseTensor hand coordinates out
+    (``shuffled`` gives the same voxels in random order, to time the sort too)."""
     import cupy
 
     rng = np.random.default_rng(seed)
-    cells = rng.choice(box ** 3, size=n, replace=False)
+    cells = np.sort(rng.choice(box ** 3, size=n, replace=False))  # row-major cell index = sorted xyz
     c = np.stack(np.unravel_index(cells, (box, box, box)), axis=1) - box // 2
     return cupy.asarray(c.astype(np.int32))
 
 
+def shuffled(coords, seed=1):
+    import cupy
+
+    perm = np.random.default_rng(seed).permutation(int(coords.shape[0]))
+    return cupy.ascontiguousarray(coords[cupy.asarray(perm)])
+
+
 # ------------------------------------------------------------------ sections
-def bench_map(coords, args):
+def bench_map(coords, args, **kw):
     import numba_sc as ns
 
     def run():
-        return ns.build_kernel_map(coords, 3, backend="cuda")
+        return ns.build_kernel_map(coords, 3, backend="cuda", **kw)
 
     m = run()
-    return {"n": int(coords.shape[0]), "pairs": int(m.counts.sum()),
+    return {"n": int(coords.shape[0]), "pairs": int(m.stats["pairs"]),
             "balanced_blocks": int(m.stats["query_blocks_after_balancing"]),
             "gpu_ms": time_gpu(run, args.repeats, args.warmup),
             "wall_ms": time_wall(run, args.repeats, args.warmup)}
 
 
-def bench_map_no_cai_sync(coords, args):
-    """The Map step with Numba's CUDA-array-interface sync switched off.
-
-    By default Numba synchronizes the stream a CuPy array names in its
-    ``__cuda_array_interface__`` at every kernel launch, once per array argument:
-    the host then waits for the GPU before each launch and cannot run ahead. CuPy
-    and our kernels all use the legacy default stream, so the order is already
-    guaranteed; this measures what the syncs cost.
-    """
-    try:
-        from numba.cuda.core import config  # where numba-cuda reads it
-    except ImportError:
-        from numba.core import config
-
-    old = config.CUDA_ARRAY_INTERFACE_SYNC
-    config.CUDA_ARRAY_INTERFACE_SYNC = False
-    try:
-        return bench_map(coords, args)
-    finally:
-        config.CUDA_ARRAY_INTERFACE_SYNC = old
-
-
 def bench_stages(coords, args, B=256, C=512):
     """Each stage alone, with the inputs the previous stage made (default B, C)."""
+    import cupy
+
     import numba_sc as ns
     from numba_sc import conventions as cv
     from numba_sc.backend import to_device
-    from numba_sc.backward_search import (backward_search_cuda, max_balanced_blocks,
-                                          split_query_blocks_cuda)
+    from numba_sc.backward_search import backward_search_cuda, max_balanced_blocks
     from numba_sc.forward_search import forward_search_cuda
-    from numba_sc.sorting import sort_keys_cuda
+    from numba_sc.sorting import sort_rows_cuda
 
     offs = cv.kernel_offsets(3)
     deltas = to_device(cv.key_delta(offs))
     K, n = len(offs), int(coords.shape[0])
     upper = max_balanced_blocks(K, n, n, B, C)
-    keys = cv.pack_keys(coords, offs.min(0), offs.max(0))
-    skeys, _ = sort_keys_cuda(keys)
-    bounds = backward_search_cuda(skeys, skeys, deltas, B)
-    rows, n_rows = split_query_blocks_cuda(bounds, C, upper)
-    out = {"B": B, "C": C, "forward_grid_upper_bound": upper, "balanced_blocks": int(n_rows[0])}
+    flags = cupy.zeros(3, np.int64)
+    keys = cupy.empty(n, np.int64)
+
+    def pack():
+        cv.launch_pack(coords, offs.min(0), offs.max(0), keys, flags[:2])
+
+    pack()
+    skeys, _, _ = sort_rows_cuda(keys, coords, flags[2:])
+    bounds, inclusive = backward_search_cuda(skeys, skeys, deltas, B, C)
+    out = {"B": B, "C": C, "forward_grid_upper_bound": upper, "balanced_blocks": int(inclusive[-1])}
     stages = {
-        "pack (incl. range check syncs)": lambda: cv.pack_keys(coords, offs.min(0), offs.max(0)),
-        "sort": lambda: sort_keys_cuda(keys),
-        "backward_search": lambda: backward_search_cuda(skeys, skeys, deltas, B),
-        "split (scan + kernel)": lambda: split_query_blocks_cuda(bounds, C, upper),
-        "forward_search (incl. table fill)": lambda: forward_search_cuda(
-            skeys, skeys, deltas, rows, n_rows, B, C, upper),
+        "pack (kernel, no read)": pack,
+        "sort (argsort + permute kernel)": lambda: sort_rows_cuda(keys, coords, flags[2:]),
+        "backward search + scan": lambda: backward_search_cuda(skeys, skeys, deltas, B, C),
+        "forward search (incl. table fill)": lambda: forward_search_cuda(
+            skeys, skeys, deltas, bounds, inclusive, B, C, upper),
         "whole build_kernel_map": lambda: ns.build_kernel_map(coords, 3, backend="cuda"),
     }
     for name, fn in stages.items():
@@ -327,7 +321,8 @@ def main(argv=None):
         if name.startswith("kitti") or args.verify_random:
             section(r, "verify", lambda: verify_against_reference(coords))
         section(r, "map", lambda: bench_map(coords, args))
-        section(r, "map_without_cai_sync", lambda: bench_map_no_cai_sync(coords, args))
+        section(r, "map_assume_sorted", lambda: bench_map(coords, args, assume_sorted=True))
+        section(r, "map_shuffled_input", lambda: bench_map(shuffled(coords), args))
         section(r, "stages", lambda: bench_stages(coords, args))
         section(r, "spconv", lambda: bench_spconv(coords, args))
         if not args.no_sweep:
@@ -345,7 +340,8 @@ def print_summary(name, r):
     if "verify" in r:
         print(f"  verify vs reference: {r['verify']}")
     print(f"  numba-sc Map step : {ms(r.get('map', {}))}")
-    print(f"   ... no CAI sync  : {ms(r.get('map_without_cai_sync', {}))}")
+    print(f"   assume_sorted    : {ms(r.get('map_assume_sorted', {}))}")
+    print(f"   shuffled input   : {ms(r.get('map_shuffled_input', {}))}")
     sp = r.get("spconv", {})
     print(f"  spconv subm pairs : {ms(sp)}" + (f"  (pairs {sp.get('pairs')} vs ours "
                                                 f"{r.get('map', {}).get('pairs')})" if "gpu_ms" in sp else ""))

@@ -28,16 +28,18 @@ Query blocks can be very unequal (data dependent). Step 3 of Figure 11 balances
 them: a block of ``n`` queries becomes ``ceil(n / C)`` *balanced* blocks of
 (almost) equal size, none larger than ``C``; empty blocks vanish. Each balanced
 block is a row ``(k, j, query start, query end)``, and the forward search runs
-one CUDA thread block per row. Finding where each block's rows go is an
-exclusive scan of the piece counts (library ``cumsum``); a kernel then writes the
-rows. In the example with C = 2 the first block (4 queries) gives two rows
-``(0, 0, 0, 2)`` and ``(0, 0, 2, 4)``.
+one CUDA thread block per row. The backward kernel counts the pieces of each
+query block; the library's scan of those counts tells every row its owner, so
+a forward thread block finds its own row with a short binary search
+(:func:`balanced_row`) and the rows are never stored. In the example with C = 2
+the first block (4 queries) gives two rows ``(0, 0, 0, 2)`` and ``(0, 0, 2, 4)``.
 
 Costs (paper Section 5.1.3): ``K * ceil(|P|/B)`` searches of about
 ``log2 |Q|`` steps each - for 94k voxels, 27 offsets and B = 256: 9,963 threads
-x 17 steps, a few hundred kB of key reads that mostly hit cache, because
-neighbouring threads search neighbouring pivots in the same segment. The bounds
-are ``8 K (|P|/B + 1)`` bytes; the balanced rows 16 bytes each.
+x 17 steps (plus a shorter second search for the block's start), a few hundred
+kB of key reads that mostly hit cache, because neighbouring threads search
+neighbouring pivots in the same segment. The bounds and the piece counts are
+``8 K (|P|/B + 1)`` bytes each.
 """
 from __future__ import annotations
 
@@ -137,13 +139,32 @@ def split_query_blocks_reference(bounds, C):
 
 
 # -------------------------------------------------------------------- kernels
-@cuda.jit
-def backward_search_kernel(skeys, qkeys, deltas, B, bounds):
-    """One thread per (segment k, source block j): upper bound of pivot j in segment k.
+@cuda.jit(device=True, inline=True)
+def upper_bound_in_segment(qkeys, deltas, k, pivot, hi):
+    """First position in ``0..hi`` of segment k whose query key is greater than ``pivot``."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if query_key(qkeys, deltas, k, mid) <= pivot:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
-    Thread t handles k = t // nblocks, j = t % nblocks, so a warp searches
+
+@cuda.jit
+def backward_search_kernel(skeys, qkeys, deltas, B, C, bounds, pieces):
+    """One thread per (segment k, source block j): both ends of query block (k, j).
+
+    Thread t handles k = t // nblocks, j = t - k * nblocks, so a warp searches
     neighbouring pivots in one segment and walks nearly the same path through it:
     the sorted-query cache locality of Section 5.1, applied to the pivots.
+
+    The block's end is the upper bound of pivot j; its start is the upper bound of
+    pivot j - 1, which the neighbouring thread also finds. Searching it again here
+    (inside ``0..end`` only) costs a few cached steps and lets this thread write
+    ``pieces[t] = ceil(size / C)``, the number of balanced blocks (Figure 11, step
+    3) its query block becomes, without a second pass over ``bounds``.
     """
     t = cuda.grid(1)
     nb = bounds.shape[1] - 1
@@ -151,64 +172,76 @@ def backward_search_kernel(skeys, qkeys, deltas, B, bounds):
         k = t // nb
         j = t - k * nb
         pivot = skeys[min((j + 1) * B, skeys.shape[0]) - 1]  # last key of source block j
-        lo = 0
-        hi = qkeys.shape[0]
-        while lo < hi:  # first query of segment k greater than the pivot
-            mid = (lo + hi) >> 1
-            if query_key(qkeys, deltas, k, mid) <= pivot:
-                lo = mid + 1
-            else:
-                hi = mid
-        bounds[k, j + 1] = lo
+        end = upper_bound_in_segment(qkeys, deltas, k, pivot, qkeys.shape[0])
+        start = 0
+        if j > 0:
+            start = upper_bound_in_segment(qkeys, deltas, k, skeys[j * B - 1], end)
+        bounds[k, j + 1] = end
         if j == 0:
             bounds[k, 0] = 0  # every segment's first block starts at its first query
+        pieces[t] = (end - start + C - 1) // C
+
+
+@cuda.jit(device=True, inline=True)
+def balanced_row(r, bounds, inclusive, C):
+    """Balanced block r as ``(k, j, query start, query end)``: the row the reference's
+    :func:`split_query_blocks_reference` lists at position r, found on the fly.
+
+    ``inclusive`` is the inclusive scan of ``pieces``: lane t = (k, j) owns rows
+    ``inclusive[t] - pieces[t] .. inclusive[t] - 1``, so the owner of row r is the
+    first lane with ``inclusive[t] > r`` (a binary search, ~log2(K * nblocks) steps
+    that every thread of a block takes on the same addresses). Its block of
+    ``size`` queries is cut into ``n`` pieces whose sizes differ by at most one.
+    """
+    lo = 0
+    hi = inclusive.shape[0]
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if inclusive[mid] <= r:
+            lo = mid + 1
+        else:
+            hi = mid
+    nb = bounds.shape[1] - 1
+    k = lo // nb
+    j = lo - k * nb
+    start = bounds[k, j]
+    size = bounds[k, j + 1] - start
+    n = (size + C - 1) // C
+    p = r - (inclusive[lo] - n)  # this row's number within its block
+    return k, j, start + p * size // n, start + (p + 1) * size // n
 
 
 @cuda.jit
-def split_query_blocks_kernel(bounds, C, inclusive, rows):
-    """One thread per query block (k, j): write its ceil(size / C) balanced rows.
-
-    ``inclusive`` is the inclusive scan of the piece counts, so this block's rows
-    start at ``inclusive[t] - pieces``. Sizes of the pieces differ by at most one.
-    """
-    t = cuda.grid(1)
-    nb = bounds.shape[1] - 1
-    if t < bounds.shape[0] * nb:
-        k = t // nb
-        j = t - k * nb
-        start = bounds[k, j]
-        size = bounds[k, j + 1] - start
-        n = (size + C - 1) // C  # the same ceil as the scan's input
-        first = inclusive[t] - n
-        for p in range(n):
-            r = first + p
-            rows[r, 0] = k
-            rows[r, 1] = j
-            rows[r, 2] = start + p * size // n
-            rows[r, 3] = start + (p + 1) * size // n
+def balanced_rows_kernel(bounds, inclusive, C, rows):
+    """One thread per balanced block: write its row. Only for teaching and tests
+    (``trace`` shows the rows): the forward search calls :func:`balanced_row` itself
+    and never stores them."""
+    r = cuda.grid(1)
+    if r < rows.shape[0]:
+        k, j, q0, q1 = balanced_row(r, bounds, inclusive, C)
+        rows[r, 0] = k
+        rows[r, 1] = j
+        rows[r, 2] = q0
+        rows[r, 3] = q1
 
 
-def backward_search_cuda(skeys, qkeys, deltas, B):
-    """Device bounds, int64 (K, nblocks + 1): one launch covers all K segments."""
+def backward_search_cuda(skeys, qkeys, deltas, B, C):
+    """Device ``(bounds, inclusive)``: bounds int64 (K, nblocks + 1) from one launch for
+    all K segments, and the library's inclusive scan of the pieces per query block.
+    ``inclusive[-1]`` is the number of balanced blocks; it stays on the device."""
     xp = device_xp()
     K = deltas.shape[0]
     nb = num_source_blocks(skeys.shape[0], B)
     bounds = xp.empty((K, nb + 1), dtype=np.int64)  # the kernel writes every entry
-    launch(backward_search_kernel, K * nb, skeys, qkeys, deltas, B, bounds)
-    return bounds
+    pieces = xp.empty(K * nb, dtype=np.int64)
+    launch(backward_search_kernel, K * nb, skeys, qkeys, deltas, B, C, bounds, pieces)
+    return bounds, xp.cumsum(pieces)  # the library scan
 
 
-def split_query_blocks_cuda(bounds, C, max_rows):
-    """Balanced rows on the device, without reading their number on the host.
-
-    Returns ``(rows, n_rows)``: ``rows`` int32 (max_rows, 4), of which the first
-    ``n_rows[0]`` are written; ``n_rows`` is a 1-element *device* array (a view of
-    the scan's last entry), so nothing waits for the device here.
-    """
+def balanced_rows_cuda(bounds, inclusive, C):
+    """All balanced rows, int32 (n, 4), materialized on the device (reads n: a sync)."""
     xp = device_xp()
-    sizes = bounds[:, 1:] - bounds[:, :-1]
-    pieces = ((sizes + (C - 1)) // C).ravel()
-    inclusive = xp.cumsum(pieces)  # the library scan
-    rows = xp.empty((max(int(max_rows), 1), 4), dtype=np.int32)
-    launch(split_query_blocks_kernel, pieces.shape[0], bounds, C, inclusive, rows)
-    return rows, inclusive[-1:]
+    n = int(inclusive[-1])
+    rows = xp.empty((n, 4), dtype=np.int32)
+    launch(balanced_rows_kernel, n, bounds, inclusive, C, rows)
+    return rows

@@ -236,7 +236,7 @@ def _prepare_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_
         # x.coords are sorted and unique, so km.in_coords == x.coords and
         # km.in_order is the identity: x.features are already in the map's order.
         km = build_kernel_map(x.coords, kernel_size, stride, dilation, tensor_stride=x.stride,
-                              backend=backend)
+                              backend=backend, assume_sorted=True)
     else:
         _check_map_fits(x, kernel_map, False)
         km = kernel_map
@@ -270,7 +270,7 @@ def gmas(features, weight, plan, tiles=(1, 1), backend=None):
         return scatter_reference(obuf, plan.out_table, init, n_out, c_out, features.dtype)
     xp = device_xp()
     features, weight = to_device(features), to_device(weight)  # no-ops when already there
-    init = gg.matmul(features, weight[plan.centre]) if plan.centre >= 0 else None
+    init = gg.centre_product_cuda(features, weight, plan.centre) if plan.centre >= 0 else None
     ibuf = gather_cuda(features, plan.in_table, plan.rows, tiles[0])
     obuf = xp.empty((plan.rows, c_out), dtype=features.dtype)  # padding rows: never read
     gg.grouped_gemm_cuda(ibuf, weight, plan.groups, obuf)

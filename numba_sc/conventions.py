@@ -241,13 +241,44 @@ def kernel_offsets(kernel_size=3, dilation=1, tensor_stride=1) -> np.ndarray:
 
 
 # ----------------------------------------------------- packing on the device
-@cuda.jit
-def pack_kernel(coords, s, rlx, rly, rlz, rhx, rhy, rhz, keys, flag):
-    """One thread per coordinate: its key, and flag[0] = 1 if it (plus reach) leaves a field.
+@cuda.jit(device=True, inline=True)
+def fits_device(b, x, y, z, rlx, rly, rlz, rhx, rhy, rhz):
+    """True when (b, x, y, z), moved by any offset in [reach_lo, reach_hi], stays packable."""
+    return (0 <= b <= BATCH_MAX
+            and COORD_MIN <= x + rlx and x + rhx <= COORD_MAX
+            and COORD_MIN <= y + rly and y + rhy <= COORD_MAX
+            and COORD_MIN <= z + rlz and z + rhz <= COORD_MAX)
 
-    Checking inside the kernel costs one comparison per field; the alternative,
+
+@cuda.jit(device=True, inline=True)
+def row_key_device(coords, s, i):
+    """Key of row i of an (N, 3) (s = 0) or (N, 4) (s = 1) coordinate array."""
+    b = np.int64(coords[i, 0]) if s == 1 else np.int64(0)
+    return pack_key_device(b, coords[i, s], coords[i, s + 1], coords[i, s + 2])
+
+
+FLAG_RANGE = 0  # flags[FLAG_RANGE] = 1: a coordinate (plus the kernel's reach) leaves a field
+FLAG_UNSORTED = 1  # flags[FLAG_UNSORTED] = 1: some key is <= the key before it
+
+
+@cuda.jit
+def pack_kernel(coords, s, rlx, rly, rlz, rhx, rhy, rhz, keys, flags):
+    """One thread per coordinate: its key, and two flags about the whole array.
+
+    ``flags[FLAG_RANGE] = 1`` if some coordinate (plus reach) leaves a field:
+    checking inside the kernel costs one comparison per field; the alternative,
     per-axis min/max reductions before packing, costs several library launches
     and host round trips (measured: milliseconds on an H100 for 94k voxels).
+
+    ``flags[FLAG_UNSORTED] = 1`` if some key is not larger than the key of the
+    row before it. When the flag stays 0 the array is sorted *and* unique, and
+    the Map step needs no sort at all - the usual case, since
+    :func:`numba_sc.voxelize`, :func:`numba_sc.output_coordinates` and
+    :class:`numba_sc.SparseTensor` all hand out sorted coordinates. Each thread
+    re-packs its left neighbour's row rather than waiting for that thread's key.
+
+    Offending threads all store the same value 1 (a benign race, and no atomic
+    contention when, say, every row is out of order).
     """
     i = cuda.grid(1)
     if i < coords.shape[0]:
@@ -255,35 +286,49 @@ def pack_kernel(coords, s, rlx, rly, rlz, rhx, rhy, rhz, keys, flag):
         x = np.int64(coords[i, s])
         y = np.int64(coords[i, s + 1])
         z = np.int64(coords[i, s + 2])
-        ok = (0 <= b <= BATCH_MAX
-              and COORD_MIN <= x + rlx and x + rhx <= COORD_MAX
-              and COORD_MIN <= y + rly and y + rhy <= COORD_MAX
-              and COORD_MIN <= z + rlz and z + rhz <= COORD_MAX)
-        if ok:
-            keys[i] = pack_key_device(b, x, y, z)
+        if fits_device(b, x, y, z, rlx, rly, rlz, rhx, rhy, rhz):
+            key = pack_key_device(b, x, y, z)
         else:
-            keys[i] = 0
-            flag[0] = 1  # every offending thread writes the same value: a benign race
+            key = np.int64(0)
+            flags[FLAG_RANGE] = 1
+        keys[i] = key
+        if i > 0 and row_key_device(coords, s, i - 1) >= key:
+            flags[FLAG_UNSORTED] = 1
+
+
+def launch_pack(coords, reach_lo, reach_hi, keys, flags):
+    """Launch :func:`pack_kernel` on validated device coordinates; reads nothing back."""
+    from .backend import launch
+
+    rl = [int(v) for v in reach_lo]
+    rh = [int(v) for v in reach_hi]
+    launch(pack_kernel, coords.shape[0], coords, coords.shape[1] - 3, *rl, *rh, keys, flags)
 
 
 def pack_keys_device(coords, reach_lo=(0, 0, 0), reach_hi=(0, 0, 0), name="coords"):
-    """Device version of :func:`pack_keys`: one kernel, one 4-byte read of the flag.
+    """Device version of :func:`pack_keys`: one kernel, one small read of its flags.
 
     Works on CuPy arrays on a GPU and on NumPy arrays under the simulator. On a
     flagged coordinate the host version re-checks the array to raise the precise
     error (the slow path runs only when the input is bad).
     """
-    from .backend import device_xp, launch, to_device, to_host
+    from .backend import device_xp, to_device
 
     coords = validate_coords(coords, name, check_range=False)  # shape, dtype; range: in the kernel
     xp = device_xp()
     c = to_device(coords)
     keys = xp.empty(c.shape[0], dtype=np.int64)
-    flag = xp.zeros(1, dtype=np.int32)
-    rl = [int(v) for v in reach_lo]
-    rh = [int(v) for v in reach_hi]
-    launch(pack_kernel, c.shape[0], c, c.shape[1] - 3, *rl, *rh, keys, flag)
-    if int(flag[0]):
-        pack_keys_reference(to_host(c), reach_lo, reach_hi, name)  # raises with the details
-        raise AssertionError("pack_kernel flagged a coordinate the host check accepts")
+    flags = xp.zeros(2, dtype=np.int64)
+    launch_pack(c, reach_lo, reach_hi, keys, flags)
+    if int(flags[FLAG_RANGE]):
+        raise_range_error(c, reach_lo, reach_hi, name)
     return keys
+
+
+def raise_range_error(coords, reach_lo, reach_hi, name):
+    """After the pack kernel flagged a coordinate: re-check on the host to raise the
+    precise error (this slow path only runs when the input is bad)."""
+    from .backend import to_host
+
+    pack_keys_reference(to_host(coords), reach_lo, reach_hi, name)  # raises with the details
+    raise AssertionError("pack_kernel flagged a coordinate the host check accepts")

@@ -12,7 +12,11 @@ block
    binary-search it in shared memory: about ``log2 B`` steps instead of
    ``log2 |P|``, and every step an on-chip read;
 3. writes ``table[k, i] = j * B + position`` on a hit. The table starts as -1, so
-   misses write nothing.
+   misses write nothing; the hits are counted per offset on the way.
+
+A thread block learns its balanced block from the backward search's scan of
+piece counts (:func:`numba_sc.backward_search.balanced_row`), so the list of
+balanced blocks is never written to memory.
 
 Worked example (continuing stage 5: source ``[1, 4 | 6, 7 | 9]``, B = 2, one
 segment ``[0, 2, 3, 4, 5, 8, 12]``)::
@@ -43,9 +47,10 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, int64
+from numba import cuda, int32, int64
 
-from .backend import launch, device_xp, simulating
+from .backend import device_xp, launch, simulating
+from .backward_search import balanced_row
 from .query_segments import query_key, query_key_reference
 
 FORWARD_THREADS = 128  # threads per block on the GPU (the paper's setting)
@@ -104,20 +109,26 @@ def forward_search_kernel(B: int):
     """The forward-search kernel for source blocks of ``B`` keys (compiled once per B)."""
 
     @cuda.jit
-    def forward_search(skeys, qkeys, deltas, rows, n_rows, table):
-        """One thread block per balanced query block ``rows[blockIdx]``."""
+    def forward_search(skeys, qkeys, deltas, bounds, inclusive, C, table, n_rows, counts):
+        """One thread block per balanced query block; also counts the pairs per offset."""
         r = cuda.blockIdx.x
-        if r >= n_rows[0]:
+        total = inclusive[inclusive.shape[0] - 1]  # number of balanced blocks
+        if r >= total:
             return  # surplus block of the upper-bound launch; the whole block leaves together
-        k = rows[r, 0]
-        j = rows[r, 1]
+        if r == 0 and cuda.threadIdx.x == 0:
+            n_rows[0] = total  # reported to the host with the counts, in one read
+        k, j, q0, q1 = balanced_row(r, bounds, inclusive, C)
         first = np.int64(j) * B  # global sorted index of the source block's first key
         n = min(B, skeys.shape[0] - first)  # the last source block may be short
         source = cuda.shared.array(B, int64)  # B is a compile-time constant here
+        hits = cuda.shared.array(1, int32)
+        if cuda.threadIdx.x == 0:
+            hits[0] = 0
         for t in range(cuda.threadIdx.x, n, cuda.blockDim.x):
             source[t] = skeys[first + t]  # neighbouring threads, neighbouring keys: coalesced
         cuda.syncthreads()  # the whole block must be loaded before anyone searches
-        for i in range(rows[r, 2] + cuda.threadIdx.x, rows[r, 3], cuda.blockDim.x):
+        mine = 0
+        for i in range(q0 + cuda.threadIdx.x, q1, cuda.blockDim.x):
             q = query_key(qkeys, deltas, k, i)
             lo = 0
             hi = n
@@ -128,25 +139,38 @@ def forward_search_kernel(B: int):
                 else:
                     hi = mid
             # lo < n always holds (the query is <= the block's pivot, source[n - 1]);
-            # the test only guards shared memory against a corrupted rows array
+            # the test only guards shared memory against corrupted bounds
             if lo < n and source[lo] == q:
                 table[k, i] = first + lo
+                mine += 1
+        # Pairs per offset, counted where they are found: one shared-memory atomic
+        # per thread, one global atomic per block, instead of a reduction over the
+        # whole K x |Q| table afterwards.
+        if mine > 0:
+            cuda.atomic.add(hits, 0, mine)
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0 and hits[0] > 0:
+            cuda.atomic.add(counts, k, hits[0])
 
     return forward_search
 
 
-def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, table=None):
-    """Launch the forward search over ``grid`` thread blocks; returns the table.
+def forward_search_cuda(skeys, qkeys, deltas, bounds, inclusive, B, C, grid, report=None):
+    """Launch the forward search over ``grid`` thread blocks.
 
-    ``grid`` is the number of balanced rows when it is known on the host (the
+    ``grid`` is the number of balanced blocks when it is known on the host (the
     simulator, where reading it is free) or the upper bound from
     :func:`numba_sc.backward_search.max_balanced_blocks` (the GPU, see the module
-    docstring). ``table`` (int32 (K, |Q|)) is created filled with -1 when not given.
+    docstring). ``report`` is an int64 device array of ``1 + K`` zeros that
+    receives the number of balanced blocks and the pairs per offset (made here
+    when not given). Returns ``(table, report)``; the table is int32 (K, |Q|).
     """
     xp = device_xp()
-    if table is None:
-        table = xp.full((deltas.shape[0], qkeys.shape[0]), -1, dtype=np.int32)
+    K = deltas.shape[0]
+    table = xp.full((K, qkeys.shape[0]), -1, dtype=np.int32)
+    if report is None:
+        report = xp.zeros(1 + K, dtype=np.int64)
     if grid > 0:
-        launch(forward_search_kernel(int(B)), int(grid), skeys, qkeys, deltas, rows, n_rows, table,
-               threads=forward_threads(C), blocks=int(grid))
-    return table
+        launch(forward_search_kernel(int(B)), int(grid), skeys, qkeys, deltas, bounds, inclusive, C,
+               table, report[:1], report[1:], threads=forward_threads(C), blocks=int(grid))
+    return table, report

@@ -170,13 +170,68 @@ def _stream_pool():
     return _STREAMS
 
 
+# cuBLAS is called directly rather than through ``cupy.matmul``: on the H100 a
+# batched ``cupy.matmul`` costs 28 us of host time against 13 us for the bare
+# cuBLAS call (benchmarks/results/probe_host_costs_*.json), and a layer makes
+# several. Row-major ``C = A @ W`` is, read column-major, ``C^T = W^T A^T``: so
+# cuBLAS is asked for ``m = C_out, n = rows, k = C_in`` with W as its first
+# operand, and no transposition is ever materialized.
+_CUDA_TYPE = {np.dtype(np.float32): 0, np.dtype(np.float16): 2}  # CUDA_R_32F, CUDA_R_16F
+_COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F: fp32 accumulation for both dtypes (no TF32)
+_GEMM_DEFAULT = -1  # CUBLAS_GEMM_DEFAULT
+_ONE = np.ones(1, np.float32)  # alpha and beta live on the host (cuBLAS's default pointer mode)
+_ZERO = np.zeros(1, np.float32)
+
+
+def _cublas():
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    return cublas, cupy.cuda.device.get_cublas_handle()
+
+
+def centre_product_cuda(features, weight, centre):
+    """``features @ weight[centre]`` as one cuBLAS call (the submanifold centre)."""
+    if simulating():
+        return matmul(features, weight[centre])
+    import cupy
+
+    cublas, handle = _cublas()
+    n, c_in = features.shape
+    c_out = weight.shape[2]
+    out = cupy.empty((n, c_out), dtype=features.dtype)
+    t = _CUDA_TYPE[np.dtype(features.dtype)]
+    w = weight.data.ptr + centre * c_in * c_out * weight.itemsize
+    cublas.gemmEx(handle, 0, 0, c_out, n, c_in, _ONE.ctypes.data, w, t, c_out,
+                  features.data.ptr, t, c_in, _ZERO.ctypes.data, out.data.ptr, t, c_out,
+                  _COMPUTE_32F, _GEMM_DEFAULT)
+    return out
+
+
+def _pointer_table(in_buf, weight, groups, out_buf):
+    """Device pointers, uint64 (3, members): the weight, input rows and output rows of
+    every group member in group order. One host->device copy for the whole layer;
+    a batched cuBLAS call then takes a slice of each row."""
+    import cupy
+
+    members = np.array([k for g in groups for k in g.members], dtype=np.uint64)
+    first_row = np.array([g.start + m * g.rows for g in groups for m in range(len(g.members))],
+                         dtype=np.uint64)
+    c_in, c_out, item = weight.shape[1], weight.shape[2], weight.itemsize
+    table = np.stack([weight.data.ptr + members * np.uint64(c_in * c_out * item),
+                      in_buf.data.ptr + first_row * np.uint64(c_in * item),
+                      out_buf.data.ptr + first_row * np.uint64(c_out * item)])
+    return cupy.asarray(table)
+
+
 def grouped_gemm_cuda(in_buf, weight, groups, out_buf):
     """One batched cuBLAS GEMM per group, round-robin on a pool of 4 streams.
 
     ``weight`` is on the device. Under the simulator there are no streams: this
     falls back to the reference. The pool waits for the work queued before it
     (the gather) through an event, and the caller's stream waits for every pool
-    stream before the scatter, so no host synchronisation is needed.
+    stream before the scatter, so no host synchronisation is needed. Each
+    group's GEMM reads its members' weights in place, through the pointer table.
     """
     if simulating():
         return grouped_gemm_reference(in_buf, weight, groups, out_buf)
@@ -184,10 +239,11 @@ def grouped_gemm_cuda(in_buf, weight, groups, out_buf):
 
     if not groups:
         return out_buf
-    # One gather of the weights into group order, so that every group's
-    # weights are a contiguous slice (no per-group indexing launch).
-    flat = [k for g in groups for k in g.members]
-    w_sorted = weight[cupy.asarray(np.asarray(flat, dtype=np.int64))]
+    cublas, handle = _cublas()
+    c_in, c_out = weight.shape[1], weight.shape[2]
+    t = _CUDA_TYPE[np.dtype(weight.dtype)]
+    ptrs = _pointer_table(in_buf, weight, groups, out_buf)
+    w_ptrs, a_ptrs, c_ptrs = (ptrs.data.ptr + i * ptrs.strides[0] for i in range(3))
     caller = cupy.cuda.get_current_stream()
     ready = caller.record()
     pool = _stream_pool() if len(groups) > 1 else [caller]
@@ -196,10 +252,12 @@ def grouped_gemm_cuda(in_buf, weight, groups, out_buf):
         s = pool[i % len(pool)]
         if s is not caller:
             s.wait_event(ready)
-        with s:
-            a = in_buf[g.start:g.start + g.padded_rows].reshape(len(g.members), g.rows, -1)
-            o = out_buf[g.start:g.start + g.padded_rows].reshape(len(g.members), g.rows, -1)
-            cupy.matmul(a, w_sorted[pos:pos + len(g.members)], out=o)
+        with s:  # CuPy's cuBLAS wrappers bind the handle to the current stream
+            off = pos * 8  # bytes into each row of the pointer table
+            cublas.gemmBatchedEx(handle, 0, 0, c_out, g.rows, c_in, _ONE.ctypes.data,
+                                 w_ptrs + off, t, c_out, a_ptrs + off, t, c_in,
+                                 _ZERO.ctypes.data, c_ptrs + off, t, c_out, len(g.members),
+                                 _COMPUTE_32F, _GEMM_DEFAULT)
         pos += len(g.members)
     for s in pool[:len(groups)]:
         if s is not caller:

@@ -43,13 +43,18 @@ of the original; a transposed convolution with weight ``W`` (K, C_in, C_out)
 applies ``W[K-1-k']`` to row ``k'``, i.e. the weight of the original offset.
 
 Napkin math of the whole step, 3x3x3 submanifold layer on 94k voxels: sort 94k
-keys (~0.75 MB a pass), backward search ~10k threads, forward search ~10k thread
+keys (~0.75 MB a pass; skipped when the input is already sorted, as it is
+between layers), backward search ~10k threads, forward search ~10k thread
 blocks reading ~20 MB through shared memory, table 27 x 94k x 4 B = 10 MB written.
-The kernel path launches three Numba kernels (backward, split, forward) and a
-handful of library calls, for all K segments at once. It reads from the device
-only for the range check inside :func:`numba_sc.conventions.pack_keys` (a few
-scalars per packed array) and for the check that no coordinate is repeated (one
-scalar); the number of balanced query blocks is never read (see forward_search).
+
+Host work matters as much as the GPU's (a launch costs ~10 us of host time, a
+device->host read ~12 us plus the wait for the GPU): the kernel path is the
+pack kernel, the backward kernel, one library scan, one fill and the forward
+kernel, for all K segments at once. It reads from the device twice: two flags
+after packing (range, order: is a sort needed?) and, at the end, one small
+*report* with the error flags, the number of balanced blocks and the pairs per
+offset. ``assume_sorted=True`` (used by :func:`numba_sc.sparse_conv3d`) skips
+the first read.
 """
 from __future__ import annotations
 
@@ -62,12 +67,10 @@ import numpy as np
 from . import conventions as cv
 from .backend import device_xp, like, resolve_backend, simulating, to_device, to_host
 from .backward_search import (backward_search_cuda, backward_search_reference, check_block_sizes,
-                              max_balanced_blocks, num_source_blocks, split_query_blocks_cuda,
-                              split_query_blocks_reference)
+                              max_balanced_blocks, num_source_blocks, split_query_blocks_reference)
 from .forward_search import forward_search_cuda, forward_search_reference
 from .output_coords import output_coordinates
-from .sorting import (count_duplicates_cuda, count_duplicates_reference, sort_keys_cuda,
-                      sort_keys_reference)
+from .sorting import sort_rows_cuda, sort_rows_reference
 
 
 @dataclass
@@ -92,6 +95,17 @@ class KernelMap:
     out_tensor_stride: tuple = (1, 1, 1)  # of the output tensor
     out_order: object = None  # int64 (|Q|,): out_coords == caller_out_coords[out_order]
     is_transposed: bool = False  # True for the map made by transposed()
+    counts_host: np.ndarray = field(default=None, repr=False)  # host copy of counts, once read
+
+    def host_counts(self) -> np.ndarray:
+        """``counts`` on the host (int64), read from the device at most once.
+
+        The kernel path reads them together with its error flags in the Map
+        step's one final device->host copy, so for its maps this costs nothing.
+        """
+        if self.counts_host is None:
+            self.counts_host = np.asarray(to_host(self.counts), dtype=np.int64)
+        return self.counts_host
 
     def pairs(self, k):
         """(input indices, output indices) of the pairs of offset ``k``, both into the sorted arrays."""
@@ -132,7 +146,8 @@ class KernelMap:
             self.out_coords, self.in_coords, self.out_order,
             np.ascontiguousarray(-self.offsets[::-1]), t[:-1].reshape(K, P), counts,
             {"transposed_from": dict(self.stats)}, self.kernel_size, self.stride, self.dilation,
-            self.out_tensor_stride, self.tensor_stride, self.in_order, not self.is_transposed)
+            self.out_tensor_stride, self.tensor_stride, self.in_order, not self.is_transposed,
+            None if self.counts_host is None else self.counts_host[::-1].copy())
 
 
 # -------------------------------------------------------------- shared steps
@@ -183,56 +198,51 @@ def _duplicate_error(name, n):
         "De-duplicate first, e.g. with numba_sc.voxelize or np.unique(coords, axis=0)")
 
 
-def _sorted_keys(coords, reach, name, pack, sort, count_duplicates):
-    """Pack (with the kernel's reach when these keys become queries), sort, check unique.
-
-    ``pack`` (the backend's packer) validates the array (shape, integer dtype, range), so nothing
-    else needs to read the coordinates first. Returns the sorted keys, the order
-    and the coordinates in that order as int32.
-    """
-    keys = pack(coords, reach[0], reach[1], name=name)
-    skeys, order = sort(keys)
-    n = int(count_duplicates(skeys))  # on the device path: one small device->host read
-    if n:
-        raise _duplicate_error(name, n)
-    return skeys, order, coords.astype(np.int32, copy=False)[order]
+def _unsorted_error(name):
+    return ValueError(
+        f"{name} was passed with assume_sorted=True but is not sorted and unique (lexicographic "
+        "on (batch, x, y, z)); pass assume_sorted=False and the Map step sorts it")
 
 
-def _prepare(in_coords, out_coords, st, offsets, xp, pack, sort, count_duplicates):
-    """Stage 3 for both backends: sorted source keys, sorted query keys, coordinates.
-
-    Queries ``q + delta`` must stay packable, so the query coordinates are packed
-    with the kernel's reach; the source only with its own range.
-    """
+def _reaches(offsets, submanifold):
+    """(source reach, query reach): queries ``q + delta`` must stay packable, so query
+    keys are packed with the kernel's reach; the source only with its own range. For
+    a submanifold layer one array is both, so it gets the reach."""
     reach = (offsets.min(axis=0), offsets.max(axis=0))
-    no_reach = ((0, 0, 0), (0, 0, 0))
-    submanifold = out_coords is None and st == (1, 1, 1)
-    skeys, in_order, in_sorted = _sorted_keys(in_coords, reach if submanifold else no_reach,
-                                              "in_coords", pack, sort, count_duplicates)
-    if submanifold:  # one sorted array is both the source and the query array
-        return skeys, in_order, in_sorted, skeys, in_sorted, xp.arange(skeys.shape[0], dtype=np.int64)
-    if out_coords is None:
-        return skeys, in_order, in_sorted, None, None, None  # outputs made by the caller of _prepare
-    qkeys, out_order, out_sorted = _sorted_keys(out_coords, reach, "out_coords", pack, sort,
-                                                   count_duplicates)
-    return skeys, in_order, in_sorted, qkeys, out_sorted, out_order
+    return (reach if submanifold else ((0, 0, 0), (0, 0, 0))), reach
 
 
 # ------------------------------------------------------------------ reference
+def _sorted_reference(coords, reach, name, assume_sorted):
+    """Stage 3 on the host: pack (validating shape, dtype, range), sort, check unique."""
+    keys = cv.pack_keys_reference(coords, reach[0], reach[1], name=name)
+    skeys, order, scoords, dups = sort_rows_reference(keys, coords)
+    if dups:
+        raise _duplicate_error(name, dups)
+    if assume_sorted and np.any(order != np.arange(len(order))):
+        raise _unsorted_error(name)
+    return skeys, order, scoords
+
+
 def build_kernel_map_reference(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
-                               out_coords=None, source_block=256, query_block=512) -> KernelMap:
+                               out_coords=None, source_block=256, query_block=512,
+                               assume_sorted=False) -> KernelMap:
     """The Map step in vectorized NumPy, with the comparisons of both searches counted."""
     B, C = check_block_sizes(source_block, query_block)
     ks, st, dil, ts, offsets, deltas = _layer(kernel_size, stride, dilation, tensor_stride)
     in_coords, out_coords = to_host(in_coords), to_host(out_coords)
     _check_columns(in_coords, out_coords)
-    skeys, in_order, in_sorted, qkeys, out_sorted, out_order = _prepare(
-        in_coords, out_coords, st, offsets, np, cv.pack_keys_reference, sort_keys_reference,
-        count_duplicates_reference)
-    if qkeys is None:  # strided layer, default outputs: already sorted and unique
+    submanifold = out_coords is None and st == (1, 1, 1)
+    source_reach, query_reach = _reaches(offsets, submanifold)
+    skeys, in_order, in_sorted = _sorted_reference(in_coords, source_reach, "in_coords", assume_sorted)
+    if submanifold:  # one sorted array is both the source and the query array
+        qkeys, out_sorted, out_order = skeys, in_sorted, np.arange(len(skeys), dtype=np.int64)
+    elif out_coords is None:  # strided layer, default outputs: already sorted and unique
         out_sorted = output_coordinates(in_sorted, st, ts, backend="reference")
-        qkeys = cv.pack_keys(out_sorted, offsets.min(axis=0), offsets.max(axis=0), name="output coordinates")
+        qkeys = cv.pack_keys(out_sorted, *query_reach, name="output coordinates")
         out_order = np.arange(len(qkeys), dtype=np.int64)
+    else:
+        qkeys, out_order, out_sorted = _sorted_reference(out_coords, query_reach, "out_coords", False)
 
     bounds, back_cmp = backward_search_reference(skeys, qkeys, deltas, B)  # stage 5
     rows = split_query_blocks_reference(bounds, C)
@@ -263,49 +273,107 @@ def build_kernel_map_reference(in_coords, kernel_size=3, stride=1, dilation=1, t
 
 
 # -------------------------------------------------------------------- kernels
+# The kernel path's device->host traffic is one small int64 array, the *report*,
+# read once when the map is done (plus one read of two flags after packing, to
+# decide whether a sort is needed, unless the caller vouches for the order):
+REPORT_IN = 0  # report[0:3]: in_coords flags: out of range, unsorted, repeated rows
+REPORT_OUT = 3  # report[3:6]: the same for the query (output) coordinates
+REPORT_ROWS = 6  # report[6]: balanced query blocks; report[7:]: pairs per offset
+
+
+def _sorted_cuda(coords, reach, name, flags, assume_sorted):
+    """Stage 3 on the device: pack, then sort only when the keys are not already in order.
+
+    ``flags`` is this array's 3-slot view of the report. The pack kernel flags
+    out-of-range rows and rows out of order. Sorted, unique input - what every
+    stage of this package hands out - needs no sort: the keys are the sorted
+    keys. Otherwise the library's argsort and :func:`numba_sc.sorting.permute_kernel`,
+    which also counts repeated rows into ``flags[2]``.
+    """
+    xp = device_xp()
+    c = to_device(cv.validate_coords(coords, name, check_range=False))  # shape, dtype; int32
+    n = c.shape[0]
+    keys = xp.empty(n, dtype=np.int64)
+    cv.launch_pack(c, reach[0], reach[1], keys, flags[:2])
+    identity = xp.arange(n, dtype=np.int64)
+    if assume_sorted:
+        return keys, identity, c  # the flags are checked with the final report
+    range_flag, unsorted = (int(v) for v in to_host(flags[:2]))  # one small read
+    if range_flag:
+        cv.raise_range_error(c, reach[0], reach[1], name)
+    if not unsorted:
+        return keys, identity, c
+    return sort_rows_cuda(keys, c, flags[2:3])
+
+
+def _check_report(report, sides):
+    """Raise the first error the report records. ``sides``: (slot, coords, reach,
+    name, assume_sorted) for each packed array."""
+    for slot, coords, reach, name, assume_sorted in sides:
+        if report[slot + cv.FLAG_RANGE]:
+            cv.raise_range_error(coords, reach[0], reach[1], name)
+        if assume_sorted and report[slot + cv.FLAG_UNSORTED]:
+            raise _unsorted_error(name)
+        if report[slot + 2]:
+            raise _duplicate_error(name, int(report[slot + 2]))
+
+
 def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
-                          out_coords=None, source_block=256, query_block=512) -> KernelMap:
+                          out_coords=None, source_block=256, query_block=512,
+                          assume_sorted=False) -> KernelMap:
     """The Map step with the kernels; arrays stay on the device, no Python loop over K."""
     B, C = check_block_sizes(source_block, query_block)
     ks, st, dil, ts, offsets, deltas = _layer(kernel_size, stride, dilation, tensor_stride)
     xp = device_xp()
     in_coords, out_coords = to_device(in_coords), to_device(out_coords)
     _check_columns(in_coords, out_coords)
-    skeys, in_order, in_sorted, qkeys, out_sorted, out_order = _prepare(
-        in_coords, out_coords, st, offsets, xp, cv.pack_keys_device, sort_keys_cuda,
-        count_duplicates_cuda)
-    if qkeys is None:
-        out_sorted = output_coordinates(in_sorted, st, ts, backend="cuda")
-        qkeys = cv.pack_keys_device(out_sorted, offsets.min(axis=0), offsets.max(axis=0),
-                                    name="output coordinates")
-        out_order = xp.arange(qkeys.shape[0], dtype=np.int64)
+    K = len(offsets)
+    report = xp.zeros(REPORT_ROWS + 1 + K, dtype=np.int64)
+    submanifold = out_coords is None and st == (1, 1, 1)
+    source_reach, query_reach = _reaches(offsets, submanifold)
+    skeys, in_order, in_sorted = _sorted_cuda(in_coords, source_reach, "in_coords",
+                                              report[REPORT_IN:REPORT_IN + 3], assume_sorted)
+    sides = [(REPORT_IN, in_coords, source_reach, "in_coords", assume_sorted)]
+    if submanifold:  # one sorted array is both the source and the query array
+        # default outputs are the sorted inputs themselves: out_order is the identity
+        qkeys, out_sorted, out_order = skeys, in_sorted, xp.arange(skeys.shape[0], dtype=np.int64)
+    else:
+        if out_coords is None:  # strided layer, default outputs: sorted and unique already
+            out_coords = output_coordinates(in_sorted, st, ts, backend="cuda")
+            name, sorted_outputs = "output coordinates", True
+        else:
+            name, sorted_outputs = "out_coords", False
+        qkeys, out_order, out_sorted = _sorted_cuda(out_coords, query_reach, name,
+                                                    report[REPORT_OUT:REPORT_OUT + 3], sorted_outputs)
+        sides.append((REPORT_OUT, out_coords, query_reach, name, sorted_outputs))
     d_deltas = _device_deltas(ks, dil, ts)  # int64 (K,), already on the device
-    skeys = xp.ascontiguousarray(skeys)
-    qkeys = xp.ascontiguousarray(qkeys)
 
-    K, P, Q = len(offsets), int(skeys.shape[0]), int(qkeys.shape[0])
+    P, Q = int(skeys.shape[0]), int(qkeys.shape[0])
     upper = max_balanced_blocks(K, P, Q, B, C)
-    bounds = backward_search_cuda(skeys, qkeys, d_deltas, B)  # stage 5, one launch
-    rows, n_rows = split_query_blocks_cuda(bounds, C, upper)  # scan + one launch
+    bounds, inclusive = backward_search_cuda(skeys, qkeys, d_deltas, B, C)  # stage 5
     # On a GPU launch the upper bound and let surplus blocks exit (no sync, see
     # forward_search.py). Under the simulator the count is a NumPy value, free to
     # read, and every launched block costs a crowd of Python threads.
-    grid = int(n_rows[0]) if simulating() else upper
-    table = forward_search_cuda(skeys, qkeys, d_deltas, rows, n_rows, B, C, grid)  # stage 6
-    counts = (table >= 0).sum(axis=1, dtype=np.int64)
-
-    pairs = counts.sum()  # 0-d device array: read it only when you need it
+    grid = int(inclusive[-1]) if simulating() else upper
+    table, _ = forward_search_cuda(skeys, qkeys, d_deltas, bounds, inclusive, B, C, grid,
+                                   report[REPORT_ROWS:])  # stage 6
+    rep = to_host(report)  # the one read at the end: flags, balanced blocks, counts
+    _check_report(rep, sides)
+    counts_host = rep[REPORT_ROWS + 1:].copy()
+    pairs = int(counts_host.sum())
     stats = {
         "backend": "cuda", "source_block": B, "query_block": C,
         "n_in": P, "n_out": Q, "n_offsets": K, "queries": K * Q,
         "pairs": pairs, "hit_rate": pairs / (K * Q),
         "source_blocks": num_source_blocks(P, B),
         "query_blocks_before_balancing": K * num_source_blocks(P, B),
-        "query_blocks_after_balancing": n_rows[0],
+        "query_blocks_after_balancing": int(rep[REPORT_ROWS]),
         "forward_grid_upper_bound": upper, "forward_grid_launched": grid,
     }
-    return _finish(in_sorted, out_sorted, in_order, offsets, table, counts, stats,
-                   ks, st, dil, ts, out_order)
+    m = _finish(in_sorted, out_sorted, in_order, offsets, table, report[REPORT_ROWS + 1:], stats,
+                ks, st, dil, ts, out_order)
+    m.counts_host = counts_host
+    return m
 
 
 def _finish(in_sorted, out_sorted, in_order, offsets, table, counts, stats, ks, st, dil, ts, out_order):
@@ -315,7 +383,8 @@ def _finish(in_sorted, out_sorted, in_order, offsets, table, counts, stats, ks, 
 
 # ----------------------------------------------------------------------- API
 def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
-                     out_coords=None, backend=None, source_block=256, query_block=512) -> KernelMap:
+                     out_coords=None, backend=None, source_block=256, query_block=512,
+                     assume_sorted=False) -> KernelMap:
     """Build the kernel map of a sparse convolution (Minuet's Map step).
 
     Parameters
@@ -336,6 +405,11 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
         B, keys per source block: a power of two in 32..4096 (default 256).
     query_block : int
         C, the largest balanced query block (default 512).
+    assume_sorted : bool
+        The caller vouches that ``in_coords`` are sorted and unique (a
+        :class:`numba_sc.SparseTensor`'s coordinates are). The kernel path then
+        skips one device->host read; a wrong promise still raises, when the
+        map's final report is read.
 
     Returns
     -------
@@ -350,7 +424,8 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
         arrays; ``float()`` / ``int()`` reads them.
     """
     kw = dict(kernel_size=kernel_size, stride=stride, dilation=dilation, tensor_stride=tensor_stride,
-              out_coords=out_coords, source_block=source_block, query_block=query_block)
+              out_coords=out_coords, source_block=source_block, query_block=query_block,
+              assume_sorted=assume_sorted)
     if resolve_backend(backend) == "reference":
         m = build_kernel_map_reference(in_coords, **kw)
     else:

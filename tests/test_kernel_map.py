@@ -17,7 +17,7 @@ import numba_sc as ns
 from numba_sc import conventions as cv
 from numba_sc.backend import to_device, to_host
 from numba_sc.backward_search import (backward_search_cuda, backward_search_reference,
-                                      max_balanced_blocks, split_query_blocks_cuda,
+                                      balanced_rows_cuda, max_balanced_blocks,
                                       split_query_blocks_reference)
 from numba_sc.forward_search import forward_search_cuda, forward_search_reference
 from numba_sc.query_segments import query_segments_reference
@@ -117,14 +117,18 @@ def test_stage_docstring_examples():
     bounds, _ = backward_search_reference(s, q, d, 2)
     assert bounds.tolist() == [[0, 4, 5, 6]]
     ds, dq, dd = to_device(s), to_device(q), to_device(d)  # the stage launchers take device arrays
-    assert np.array_equal(to_host(backward_search_cuda(ds, dq, dd, 2)), bounds)
+    bounds_k, inclusive = backward_search_cuda(ds, dq, dd, 2, 2)
+    assert np.array_equal(to_host(bounds_k), bounds)
+    assert to_host(inclusive).tolist() == [2, 3, 4]  # pieces per query block: 2, 1, 1
     rows = split_query_blocks_reference(bounds, 2)
     assert rows.tolist() == [[0, 0, 0, 2], [0, 0, 2, 4], [0, 1, 4, 5], [0, 2, 5, 6]]
-    rows_k, n_rows = split_query_blocks_cuda(to_device(bounds), 2, max_balanced_blocks(1, 5, 7, 2, 2))
-    assert int(n_rows[0]) == 4 and np.array_equal(to_host(rows_k)[:4], rows)
+    assert np.array_equal(to_host(balanced_rows_cuda(bounds_k, inclusive, 2)), rows)
     expect = [[-1, -1, -1, 1, -1, -1, -1]]
     assert forward_search_reference(s, q, d, bounds, 2)[0].tolist() == expect
-    assert to_host(forward_search_cuda(ds, dq, dd, rows_k, n_rows, 2, 2, grid=4)).tolist() == expect
+    table, report = forward_search_cuda(ds, dq, dd, bounds_k, inclusive, 2, 2,
+                                        grid=max_balanced_blocks(1, 5, 7, 2, 2))
+    assert to_host(table).tolist() == expect
+    assert to_host(report).tolist() == [4, 1]  # 4 balanced blocks, 1 pair
 
 
 def test_segments_are_shifted_keys(rng):
@@ -202,29 +206,24 @@ def test_stages_kernel_equals_reference(rng):
     B, C = 32, 32
     bounds_r, _ = backward_search_reference(skeys, skeys, deltas, B)
     dkeys, ddeltas = to_device(skeys), to_device(deltas)  # the stage launchers take device arrays
-    bounds_k = backward_search_cuda(dkeys, dkeys, ddeltas, B)
+    bounds_k, inclusive = backward_search_cuda(dkeys, dkeys, ddeltas, B, C)
     assert np.array_equal(to_host(bounds_k), bounds_r)
     rows_r = split_query_blocks_reference(bounds_r, C)
     upper = max_balanced_blocks(len(deltas), len(skeys), len(skeys), B, C)
-    rows_k, n_rows = split_query_blocks_cuda(bounds_k, C, upper)
-    assert int(n_rows[0]) == len(rows_r) < upper
-    assert np.array_equal(to_host(rows_k)[: len(rows_r)], rows_r)
+    assert int(to_host(inclusive)[-1]) == len(rows_r) < upper
+    assert np.array_equal(to_host(balanced_rows_cuda(bounds_k, inclusive, C)), rows_r)
     # balanced rows tile every query block exactly
     sizes = rows_r[:, 3] - rows_r[:, 2]
     assert sizes.min() >= 1 and sizes.max() <= C
     assert sizes.sum() == (bounds_r[:, -1] - bounds_r[:, 0]).sum()
     table_r, _ = forward_search_reference(skeys, skeys, deltas, bounds_r, B)
-    table_k = forward_search_cuda(dkeys, dkeys, ddeltas, rows_k, n_rows, B, C, grid=upper)
+    # The upper-bound launch: surplus blocks must leave at once (under the simulator a
+    # block that went on would index past the scan and raise).
+    table_k, report = forward_search_cuda(dkeys, dkeys, ddeltas, bounds_k, inclusive, B, C, grid=upper)
     assert np.array_equal(to_host(table_k), table_r)
-    # Blocks past the device count must leave, even where the rows hold real work:
-    # claim only half the rows and those queries must stay unanswered.
-    cut = len(rows_r) // 2
-    expect = table_r.copy()
-    for k, _, a, b in rows_r[cut:]:
-        expect[k, a:b] = -1
-    assert (expect != table_r).any()
-    table_cut = forward_search_cuda(dkeys, dkeys, ddeltas, rows_k, to_device(np.array([cut])), B, C, grid=upper)
-    assert np.array_equal(to_host(table_cut), expect)
+    report = to_host(report)
+    assert report[0] == len(rows_r)
+    assert np.array_equal(report[1:], (table_r >= 0).sum(axis=1))  # pairs counted in the kernel
     assert np.array_equal(table_r, searchsorted_oracle_table(np.unique(c, axis=0), np.unique(c, axis=0), offs))
 
 
@@ -387,3 +386,60 @@ def test_other_bad_inputs():
         ns.build_kernel_map(c[:2], kernel_size=0, backend="reference")
     with pytest.raises(TypeError, match="integer"):
         ns.build_kernel_map(c[:2].astype(np.float32), backend="reference")
+
+
+# ------------------------------------------- sorted input, assume_sorted, the report
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_sorted_input_needs_no_sort(rng, backend):
+    """Sorted unique input: the identity order, and the same map as for a shuffled copy."""
+    c = random_coords(rng, 200)
+    srt = c[np.lexsort(c.T[::-1])]
+    a = ns.build_kernel_map(srt, 3, backend=backend, source_block=32, query_block=16)
+    b = ns.build_kernel_map(c, 3, backend=backend, source_block=32, query_block=16)
+    assert np.array_equal(a.in_order, np.arange(len(c)))
+    assert not np.array_equal(b.in_order, np.arange(len(c)))  # the shuffled copy was sorted
+    for name in ("in_coords", "table", "counts"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    # one swapped pair of rows is enough to need the sort
+    swapped = srt.copy()
+    swapped[[10, 11]] = swapped[[11, 10]]
+    m = ns.build_kernel_map(swapped, 3, backend=backend, source_block=32, query_block=16)
+    assert m.in_order[10] == 11 and m.in_order[11] == 10
+    assert np.array_equal(m.table, a.table)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_assume_sorted_is_checked(rng, backend):
+    c = random_coords(rng, 100)
+    srt = c[np.lexsort(c.T[::-1])]
+    m = ns.build_kernel_map(srt, 3, backend=backend, assume_sorted=True)
+    assert np.array_equal(m.table, ns.build_kernel_map(srt, 3, backend="reference").table)
+    with pytest.raises(ValueError, match="assume_sorted=True but is not sorted"):
+        ns.build_kernel_map(c, 3, backend=backend, assume_sorted=True)
+    dup = np.concatenate([srt[:1], srt])  # sorted, but not unique
+    with pytest.raises(ValueError, match="repeated|not sorted"):
+        ns.build_kernel_map(dup, 3, backend=backend, assume_sorted=True)
+    edge = np.array([[0, cv.COORD_MIN, 0]], np.int32)  # the range error is raised from the report
+    with pytest.raises(ValueError, match="in_coords.*packable"):
+        ns.build_kernel_map(edge, 3, backend=backend, assume_sorted=True)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_repeated_rows_found_after_the_sort(backend):
+    """Unsorted input with a repeat far from its twin: found by the sort path (permute
+    kernel) and named with its count; the same for out_coords."""
+    c = np.array([[5, 0, 0], [1, 0, 0], [3, 0, 0], [1, 0, 0], [0, 2, 0], [5, 0, 0]], np.int32)
+    with pytest.raises(ValueError, match="in_coords holds 2 repeated"):
+        ns.build_kernel_map(c, 3, backend=backend)
+    ok = np.unique(c, axis=0)
+    with pytest.raises(ValueError, match="out_coords holds 2 repeated"):
+        ns.build_kernel_map(ok, 3, out_coords=c, backend=backend)
+
+
+def test_host_counts_read_once_and_transposed(rng):
+    c = random_coords(rng, 150)
+    m = ns.build_kernel_map(c, 2, stride=2, backend="cuda")
+    assert m.counts_host is not None  # read with the report, no second read
+    assert np.array_equal(m.host_counts(), m.counts)
+    t = m.transposed()
+    assert np.array_equal(t.host_counts(), m.host_counts()[::-1])
