@@ -168,14 +168,14 @@ def bench_stages(coords, args, B=256, C=512):
 
     pack()
     skeys, _, _ = sort_rows_cuda(keys, coords, flags[2:])
-    bounds, inclusive = backward_search_cuda(skeys, skeys, deltas, B, C)
-    out = {"B": B, "C": C, "forward_grid_upper_bound": upper, "balanced_blocks": int(inclusive[-1])}
+    bounds, rows, n_rows = backward_search_cuda(skeys, skeys, deltas, B, C, upper)
+    out = {"B": B, "C": C, "forward_grid_upper_bound": upper, "balanced_blocks": int(n_rows[0])}
     stages = {
         "pack (kernel, no read)": pack,
         "sort (argsort + permute kernel)": lambda: sort_rows_cuda(keys, coords, flags[2:]),
-        "backward search + scan": lambda: backward_search_cuda(skeys, skeys, deltas, B, C),
+        "backward search (+ rows)": lambda: backward_search_cuda(skeys, skeys, deltas, B, C, upper),
         "forward search (incl. table fill)": lambda: forward_search_cuda(
-            skeys, skeys, deltas, bounds, inclusive, B, C, upper),
+            skeys, skeys, deltas, rows, n_rows, B, C, upper),
         "whole build_kernel_map": lambda: ns.build_kernel_map(coords, 3, backend="cuda"),
     }
     for name, fn in stages.items():

@@ -27,6 +27,7 @@ def main():
     x = ns.SparseTensor(c, cupy.asarray(np.random.default_rng(0).normal(size=(len(c), 64)).astype(np.float32)))
     w = cupy.asarray(np.random.default_rng(1).normal(size=(27, 64, 64)).astype(np.float32))
     for name, fn in [("build_kernel_map", lambda: ns.build_kernel_map(c, 3)),
+                     ("build_kernel_map assume_sorted", lambda: ns.build_kernel_map(x.coords, 3, assume_sorted=True)),
                      ("sparse_conv3d 64->64", lambda: ns.sparse_conv3d(x, w, 3, tile_size=(16, 8)))]:
         for _ in range(5):
             fn()
@@ -38,7 +39,7 @@ def main():
         cupy.cuda.Device().synchronize()
         prof.disable()
         print(f"==== {name}: 50 calls")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(int(sys.argv[2]) if len(sys.argv) > 2 else 18)
 
 
 if __name__ == "__main__":

@@ -28,23 +28,22 @@ Query blocks can be very unequal (data dependent). Step 3 of Figure 11 balances
 them: a block of ``n`` queries becomes ``ceil(n / C)`` *balanced* blocks of
 (almost) equal size, none larger than ``C``; empty blocks vanish. Each balanced
 block is a row ``(k, j, query start, query end)``, and the forward search runs
-one CUDA thread block per row. The backward kernel counts the pieces of each
-query block; the library's scan of those counts tells every row its owner, so
-a forward thread block finds its own row with a short binary search
-(:func:`balanced_row`) and the rows are never stored. In the example with C = 2
-the first block (4 queries) gives two rows ``(0, 0, 0, 2)`` and ``(0, 0, 2, 4)``.
+one CUDA thread block per row. The backward kernel writes the rows itself, each
+thread those of its own query block, at places reserved with atomic adds (see
+:func:`backward_search_kernel`). In the example with C = 2 the first block (4
+queries) gives two rows ``(0, 0, 0, 2)`` and ``(0, 0, 2, 4)``.
 
 Costs (paper Section 5.1.3): ``K * ceil(|P|/B)`` searches of about
 ``log2 |Q|`` steps each - for 94k voxels, 27 offsets and B = 256: 9,963 threads
 x 17 steps (plus a shorter second search for the block's start), a few hundred
 kB of key reads that mostly hit cache, because neighbouring threads search
-neighbouring pivots in the same segment. The bounds and the piece counts are
-``8 K (|P|/B + 1)`` bytes each.
+neighbouring pivots in the same segment. The bounds are ``8 K (|P|/B + 1)``
+bytes, the rows 16 bytes each, and one global atomic per thread block of 256.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda
+from numba import cuda, int64
 
 from .backend import device_xp, launch
 from .query_segments import query_key, query_key_reference
@@ -153,8 +152,8 @@ def upper_bound_in_segment(qkeys, deltas, k, pivot, hi):
 
 
 @cuda.jit
-def backward_search_kernel(skeys, qkeys, deltas, B, C, bounds, pieces):
-    """One thread per (segment k, source block j): both ends of query block (k, j).
+def backward_search_kernel(skeys, qkeys, deltas, B, C, bounds, rows, n_rows):
+    """One thread per (segment k, source block j): query block (k, j), cut into balanced rows.
 
     Thread t handles k = t // nblocks, j = t - k * nblocks, so a warp searches
     neighbouring pivots in one segment and walks nearly the same path through it:
@@ -162,12 +161,24 @@ def backward_search_kernel(skeys, qkeys, deltas, B, C, bounds, pieces):
 
     The block's end is the upper bound of pivot j; its start is the upper bound of
     pivot j - 1, which the neighbouring thread also finds. Searching it again here
-    (inside ``0..end`` only) costs a few cached steps and lets this thread write
-    ``pieces[t] = ceil(size / C)``, the number of balanced blocks (Figure 11, step
-    3) its query block becomes, without a second pass over ``bounds``.
+    (inside ``0..end`` only) costs a few cached steps and lets this thread cut its
+    own block into ``n = ceil(size / C)`` balanced rows (Figure 11, step 3) at once.
+
+    Where do the rows go? Each thread block reserves room for all of its threads'
+    rows with one atomic add on the global count ``n_rows[0]``, and each thread
+    takes its share of that room with an atomic add in shared memory. So the rows
+    come out in no fixed order (the reference lists them sorted), which changes
+    nothing: every row writes its own queries' entries of the table. The
+    alternative, a library scan of the piece counts and one more kernel to write
+    the rows, costs two more launches.
     """
     t = cuda.grid(1)
     nb = bounds.shape[1] - 1
+    block_rows = cuda.shared.array(1, int64)  # rows of this thread block, then its base
+    if cuda.threadIdx.x == 0:
+        block_rows[0] = 0
+    cuda.syncthreads()
+    n = mine = k = j = start = size = 0
     if t < deltas.shape[0] * nb:
         k = t // nb
         j = t - k * nb
@@ -179,69 +190,36 @@ def backward_search_kernel(skeys, qkeys, deltas, B, C, bounds, pieces):
         bounds[k, j + 1] = end
         if j == 0:
             bounds[k, 0] = 0  # every segment's first block starts at its first query
-        pieces[t] = (end - start + C - 1) // C
-
-
-@cuda.jit(device=True, inline=True)
-def balanced_row(r, bounds, inclusive, C):
-    """Balanced block r as ``(k, j, query start, query end)``: the row the reference's
-    :func:`split_query_blocks_reference` lists at position r, found on the fly.
-
-    ``inclusive`` is the inclusive scan of ``pieces``: lane t = (k, j) owns rows
-    ``inclusive[t] - pieces[t] .. inclusive[t] - 1``, so the owner of row r is the
-    first lane with ``inclusive[t] > r`` (a binary search, ~log2(K * nblocks) steps
-    that every thread of a block takes on the same addresses). Its block of
-    ``size`` queries is cut into ``n`` pieces whose sizes differ by at most one.
-    """
-    lo = 0
-    hi = inclusive.shape[0]
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if inclusive[mid] <= r:
-            lo = mid + 1
-        else:
-            hi = mid
-    nb = bounds.shape[1] - 1
-    k = lo // nb
-    j = lo - k * nb
-    start = bounds[k, j]
-    size = bounds[k, j + 1] - start
-    n = (size + C - 1) // C
-    p = r - (inclusive[lo] - n)  # this row's number within its block
-    return k, j, start + p * size // n, start + (p + 1) * size // n
-
-
-@cuda.jit
-def balanced_rows_kernel(bounds, inclusive, C, rows):
-    """One thread per balanced block: write its row. Only for teaching and tests
-    (``trace`` shows the rows): the forward search calls :func:`balanced_row` itself
-    and never stores them."""
-    r = cuda.grid(1)
-    if r < rows.shape[0]:
-        k, j, q0, q1 = balanced_row(r, bounds, inclusive, C)
+        size = end - start
+        n = (size + C - 1) // C
+        if n > 0:
+            mine = cuda.atomic.add(block_rows, 0, n)  # this thread's offset in the block's room
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        block_rows[0] = cuda.atomic.add(n_rows, 0, block_rows[0])  # the block's room
+    cuda.syncthreads()
+    for p in range(n):
+        r = block_rows[0] + mine + p
         rows[r, 0] = k
         rows[r, 1] = j
-        rows[r, 2] = q0
-        rows[r, 3] = q1
+        rows[r, 2] = start + p * size // n
+        rows[r, 3] = start + (p + 1) * size // n
 
 
-def backward_search_cuda(skeys, qkeys, deltas, B, C):
-    """Device ``(bounds, inclusive)``: bounds int64 (K, nblocks + 1) from one launch for
-    all K segments, and the library's inclusive scan of the pieces per query block.
-    ``inclusive[-1]`` is the number of balanced blocks; it stays on the device."""
+def backward_search_cuda(skeys, qkeys, deltas, B, C, max_rows, n_rows=None):
+    """Device ``(bounds, rows, n_rows)`` from one launch for all K segments.
+
+    ``bounds`` int64 (K, nblocks + 1); ``rows`` int32 (max_rows, 4), of which the
+    first ``n_rows[0]`` are written, in no particular order; ``n_rows`` a 1-element
+    int64 device array (given, zeroed, or made here), never read on the host here.
+    ``max_rows``: :func:`max_balanced_blocks`.
+    """
     xp = device_xp()
     K = deltas.shape[0]
     nb = num_source_blocks(skeys.shape[0], B)
     bounds = xp.empty((K, nb + 1), dtype=np.int64)  # the kernel writes every entry
-    pieces = xp.empty(K * nb, dtype=np.int64)
-    launch(backward_search_kernel, K * nb, skeys, qkeys, deltas, B, C, bounds, pieces)
-    return bounds, xp.cumsum(pieces)  # the library scan
-
-
-def balanced_rows_cuda(bounds, inclusive, C):
-    """All balanced rows, int32 (n, 4), materialized on the device (reads n: a sync)."""
-    xp = device_xp()
-    n = int(inclusive[-1])
-    rows = xp.empty((n, 4), dtype=np.int32)
-    launch(balanced_rows_kernel, n, bounds, inclusive, C, rows)
-    return rows
+    rows = xp.empty((max(int(max_rows), 1), 4), dtype=np.int32)
+    if n_rows is None:
+        n_rows = xp.zeros(1, dtype=np.int64)
+    launch(backward_search_kernel, K * nb, skeys, qkeys, deltas, B, C, bounds, rows, n_rows)
+    return bounds, rows, n_rows

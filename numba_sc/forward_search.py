@@ -14,9 +14,8 @@ block
 3. writes ``table[k, i] = j * B + position`` on a hit. The table starts as -1, so
    misses write nothing; the hits are counted per offset on the way.
 
-A thread block learns its balanced block from the backward search's scan of
-piece counts (:func:`numba_sc.backward_search.balanced_row`), so the list of
-balanced blocks is never written to memory.
+A thread block reads its balanced block ``(k, j, query start, query end)``
+from the rows the backward search wrote.
 
 Worked example (continuing stage 5: source ``[1, 4 | 6, 7 | 9]``, B = 2, one
 segment ``[0, 2, 3, 4, 5, 8, 12]``)::
@@ -50,7 +49,6 @@ import numpy as np
 from numba import cuda, int32, int64
 
 from .backend import device_xp, launch, simulating
-from .backward_search import balanced_row
 from .query_segments import query_key, query_key_reference
 
 FORWARD_THREADS = 128  # threads per block on the GPU (the paper's setting)
@@ -109,15 +107,16 @@ def forward_search_kernel(B: int):
     """The forward-search kernel for source blocks of ``B`` keys (compiled once per B)."""
 
     @cuda.jit
-    def forward_search(skeys, qkeys, deltas, bounds, inclusive, C, table, n_rows, counts):
-        """One thread block per balanced query block; also counts the pairs per offset."""
+    def forward_search(skeys, qkeys, deltas, rows, n_rows, table, counts):
+        """One thread block per balanced query block ``rows[blockIdx]``; also counts
+        the pairs per offset."""
         r = cuda.blockIdx.x
-        total = inclusive[inclusive.shape[0] - 1]  # number of balanced blocks
-        if r >= total:
+        if r >= n_rows[0]:
             return  # surplus block of the upper-bound launch; the whole block leaves together
-        if r == 0 and cuda.threadIdx.x == 0:
-            n_rows[0] = total  # reported to the host with the counts, in one read
-        k, j, q0, q1 = balanced_row(r, bounds, inclusive, C)
+        k = rows[r, 0]
+        j = rows[r, 1]
+        q0 = rows[r, 2]
+        q1 = rows[r, 3]
         first = np.int64(j) * B  # global sorted index of the source block's first key
         n = min(B, skeys.shape[0] - first)  # the last source block may be short
         source = cuda.shared.array(B, int64)  # B is a compile-time constant here
@@ -139,7 +138,7 @@ def forward_search_kernel(B: int):
                 else:
                     hi = mid
             # lo < n always holds (the query is <= the block's pivot, source[n - 1]);
-            # the test only guards shared memory against corrupted bounds
+            # the test only guards shared memory against a corrupted rows array
             if lo < n and source[lo] == q:
                 table[k, i] = first + lo
                 mine += 1
@@ -155,22 +154,21 @@ def forward_search_kernel(B: int):
     return forward_search
 
 
-def forward_search_cuda(skeys, qkeys, deltas, bounds, inclusive, B, C, grid, report=None):
-    """Launch the forward search over ``grid`` thread blocks.
+def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=None):
+    """Launch the forward search over ``grid`` thread blocks; returns ``(table, counts)``.
 
-    ``grid`` is the number of balanced blocks when it is known on the host (the
+    ``grid`` is the number of balanced rows when it is known on the host (the
     simulator, where reading it is free) or the upper bound from
     :func:`numba_sc.backward_search.max_balanced_blocks` (the GPU, see the module
-    docstring). ``report`` is an int64 device array of ``1 + K`` zeros that
-    receives the number of balanced blocks and the pairs per offset (made here
-    when not given). Returns ``(table, report)``; the table is int32 (K, |Q|).
+    docstring). ``counts`` (int64 (K,) zeros on the device, made here when not
+    given) receives the pairs per offset; the table is int32 (K, |Q|).
     """
     xp = device_xp()
     K = deltas.shape[0]
     table = xp.full((K, qkeys.shape[0]), -1, dtype=np.int32)
-    if report is None:
-        report = xp.zeros(1 + K, dtype=np.int64)
+    if counts is None:
+        counts = xp.zeros(K, dtype=np.int64)
     if grid > 0:
-        launch(forward_search_kernel(int(B)), int(grid), skeys, qkeys, deltas, bounds, inclusive, C,
-               table, report[:1], report[1:], threads=forward_threads(C), blocks=int(grid))
-    return table, report
+        launch(forward_search_kernel(int(B)), int(grid), skeys, qkeys, deltas, rows, n_rows, table,
+               counts, threads=forward_threads(C), blocks=int(grid))
+    return table, counts

@@ -187,7 +187,7 @@ def _cublas():
     import cupy
     from cupy_backends.cuda.libs import cublas
 
-    return cublas, cupy.cuda.device.get_cublas_handle()
+    return cublas, cupy.cuda.Device().cublas_handle
 
 
 def centre_product_cuda(features, weight, centre):
@@ -208,20 +208,19 @@ def centre_product_cuda(features, weight, centre):
     return out
 
 
-def _pointer_table(in_buf, weight, groups, out_buf):
-    """Device pointers, uint64 (3, members): the weight, input rows and output rows of
-    every group member in group order. One host->device copy for the whole layer;
-    a batched cuBLAS call then takes a slice of each row."""
+_ORDER_CACHE = {}
+
+
+def _device_order(members):
+    """The group-order offset indices as a device array, copied there once per order."""
     import cupy
 
-    members = np.array([k for g in groups for k in g.members], dtype=np.uint64)
-    first_row = np.array([g.start + m * g.rows for g in groups for m in range(len(g.members))],
-                         dtype=np.uint64)
-    c_in, c_out, item = weight.shape[1], weight.shape[2], weight.itemsize
-    table = np.stack([weight.data.ptr + members * np.uint64(c_in * c_out * item),
-                      in_buf.data.ptr + first_row * np.uint64(c_in * item),
-                      out_buf.data.ptr + first_row * np.uint64(c_out * item)])
-    return cupy.asarray(table)
+    key = (members, cupy.cuda.runtime.getDevice())
+    if key not in _ORDER_CACHE:
+        if len(_ORDER_CACHE) > 256:
+            _ORDER_CACHE.clear()
+        _ORDER_CACHE[key] = cupy.asarray(np.array(members, dtype=np.int64))
+    return _ORDER_CACHE[key]
 
 
 def grouped_gemm_cuda(in_buf, weight, groups, out_buf):
@@ -230,8 +229,11 @@ def grouped_gemm_cuda(in_buf, weight, groups, out_buf):
     ``weight`` is on the device. Under the simulator there are no streams: this
     falls back to the reference. The pool waits for the work queued before it
     (the gather) through an event, and the caller's stream waits for every pool
-    stream before the scatter, so no host synchronisation is needed. Each
-    group's GEMM reads its members' weights in place, through the pointer table.
+    stream before the scatter, so no host synchronisation is needed.
+
+    A strided batched GEMM wants the weights of a group's members equally spaced
+    in memory, so the weights are first gathered into group order (one library
+    ``take`` of ``K C_in C_out`` values, small next to the buffers).
     """
     if simulating():
         return grouped_gemm_reference(in_buf, weight, groups, out_buf)
@@ -240,10 +242,9 @@ def grouped_gemm_cuda(in_buf, weight, groups, out_buf):
     if not groups:
         return out_buf
     cublas, handle = _cublas()
-    c_in, c_out = weight.shape[1], weight.shape[2]
+    c_in, c_out, item = weight.shape[1], weight.shape[2], weight.itemsize
     t = _CUDA_TYPE[np.dtype(weight.dtype)]
-    ptrs = _pointer_table(in_buf, weight, groups, out_buf)
-    w_ptrs, a_ptrs, c_ptrs = (ptrs.data.ptr + i * ptrs.strides[0] for i in range(3))
+    w_sorted = cupy.take(weight, _device_order(tuple(k for g in groups for k in g.members)), axis=0)
     caller = cupy.cuda.get_current_stream()
     ready = caller.record()
     pool = _stream_pool() if len(groups) > 1 else [caller]
@@ -253,11 +254,12 @@ def grouped_gemm_cuda(in_buf, weight, groups, out_buf):
         if s is not caller:
             s.wait_event(ready)
         with s:  # CuPy's cuBLAS wrappers bind the handle to the current stream
-            off = pos * 8  # bytes into each row of the pointer table
-            cublas.gemmBatchedEx(handle, 0, 0, c_out, g.rows, c_in, _ONE.ctypes.data,
-                                 w_ptrs + off, t, c_out, a_ptrs + off, t, c_in,
-                                 _ZERO.ctypes.data, c_ptrs + off, t, c_out, len(g.members),
-                                 _COMPUTE_32F, _GEMM_DEFAULT)
+            cublas.gemmStridedBatchedEx(
+                handle, 0, 0, c_out, g.rows, c_in, _ONE.ctypes.data,
+                w_sorted.data.ptr + pos * c_in * c_out * item, t, c_out, c_in * c_out,
+                in_buf.data.ptr + g.start * c_in * item, t, c_in, g.rows * c_in,
+                _ZERO.ctypes.data, out_buf.data.ptr + g.start * c_out * item, t, c_out, g.rows * c_out,
+                len(g.members), _COMPUTE_32F, _GEMM_DEFAULT)
         pos += len(g.members)
     for s in pool[:len(groups)]:
         if s is not caller:

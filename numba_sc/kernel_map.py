@@ -49,8 +49,8 @@ blocks reading ~20 MB through shared memory, table 27 x 94k x 4 B = 10 MB writte
 
 Host work matters as much as the GPU's (a launch costs ~10 us of host time, a
 device->host read ~12 us plus the wait for the GPU): the kernel path is the
-pack kernel, the backward kernel, one library scan, one fill and the forward
-kernel, for all K segments at once. It reads from the device twice: two flags
+pack kernel, the backward kernel (which also writes the balanced rows), one
+fill and the forward kernel, for all K segments at once. It reads from the device twice: two flags
 after packing (range, order: is a sort needed?) and, at the end, one small
 *report* with the error flags, the number of balanced blocks and the pairs per
 offset. ``assume_sorted=True`` (used by :func:`numba_sc.sparse_conv3d`) skips
@@ -350,13 +350,14 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
 
     P, Q = int(skeys.shape[0]), int(qkeys.shape[0])
     upper = max_balanced_blocks(K, P, Q, B, C)
-    bounds, inclusive = backward_search_cuda(skeys, qkeys, d_deltas, B, C)  # stage 5
+    n_rows = report[REPORT_ROWS:REPORT_ROWS + 1]  # the backward kernel counts the rows here
+    bounds, rows, _ = backward_search_cuda(skeys, qkeys, d_deltas, B, C, upper, n_rows)  # stage 5
     # On a GPU launch the upper bound and let surplus blocks exit (no sync, see
     # forward_search.py). Under the simulator the count is a NumPy value, free to
     # read, and every launched block costs a crowd of Python threads.
-    grid = int(inclusive[-1]) if simulating() else upper
-    table, _ = forward_search_cuda(skeys, qkeys, d_deltas, bounds, inclusive, B, C, grid,
-                                   report[REPORT_ROWS:])  # stage 6
+    grid = int(n_rows[0]) if simulating() else upper
+    table, _ = forward_search_cuda(skeys, qkeys, d_deltas, rows, n_rows, B, C, grid,
+                                   report[REPORT_ROWS + 1:])  # stage 6
     rep = to_host(report)  # the one read at the end: flags, balanced blocks, counts
     _check_report(rep, sides)
     counts_host = rep[REPORT_ROWS + 1:].copy()

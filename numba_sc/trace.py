@@ -37,8 +37,8 @@ import numpy as np
 from . import conventions as cv
 from . import gemm_grouping as gg
 from .backend import device_xp, resolve_backend, to_host
-from .backward_search import (backward_search_cuda, backward_search_reference, balanced_rows_cuda,
-                              split_query_blocks_reference)
+from .backward_search import (backward_search_cuda, backward_search_reference,
+                              max_balanced_blocks, split_query_blocks_reference)
 from .conv import SparseTensor, _prepare_layer
 from .gather import gather_cuda, gather_reference
 from .scatter import scatter_cuda, scatter_reference
@@ -117,8 +117,10 @@ def trace(coords, features, weight, kernel_size=3, stride=1, dilation=1, backend
     else:
         xp = device_xp()
         d_s, d_q, d_d = xp.asarray(skeys), xp.asarray(qkeys), xp.asarray(deltas)
-        bounds, inclusive = backward_search_cuda(d_s, d_q, d_d, B, C)
-        rows = balanced_rows_cuda(bounds, inclusive, C)
+        upper = max_balanced_blocks(len(deltas), len(skeys), len(qkeys), B, C)
+        bounds, rows, n_rows = backward_search_cuda(d_s, d_q, d_d, B, C, upper)
+        rows = to_host(rows)[: int(to_host(n_rows)[0])]
+        rows = rows[np.lexsort(rows.T[::-1])]  # the kernel writes them in no fixed order
     t["borders"], t["balanced_blocks"] = to_host(bounds), to_host(rows)
     t["kernel_map"], t["pair_counts"] = to_host(km.table), to_host(km.counts)
 

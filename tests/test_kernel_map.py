@@ -17,8 +17,7 @@ import numba_sc as ns
 from numba_sc import conventions as cv
 from numba_sc.backend import to_device, to_host
 from numba_sc.backward_search import (backward_search_cuda, backward_search_reference,
-                                      balanced_rows_cuda, max_balanced_blocks,
-                                      split_query_blocks_reference)
+                                      max_balanced_blocks, split_query_blocks_reference)
 from numba_sc.forward_search import forward_search_cuda, forward_search_reference
 from numba_sc.query_segments import query_segments_reference
 
@@ -117,18 +116,18 @@ def test_stage_docstring_examples():
     bounds, _ = backward_search_reference(s, q, d, 2)
     assert bounds.tolist() == [[0, 4, 5, 6]]
     ds, dq, dd = to_device(s), to_device(q), to_device(d)  # the stage launchers take device arrays
-    bounds_k, inclusive = backward_search_cuda(ds, dq, dd, 2, 2)
+    upper = max_balanced_blocks(1, 5, 7, 2, 2)
+    bounds_k, rows_k, n_rows = backward_search_cuda(ds, dq, dd, 2, 2, upper)
     assert np.array_equal(to_host(bounds_k), bounds)
-    assert to_host(inclusive).tolist() == [2, 3, 4]  # pieces per query block: 2, 1, 1
     rows = split_query_blocks_reference(bounds, 2)
     assert rows.tolist() == [[0, 0, 0, 2], [0, 0, 2, 4], [0, 1, 4, 5], [0, 2, 5, 6]]
-    assert np.array_equal(to_host(balanced_rows_cuda(bounds_k, inclusive, 2)), rows)
+    assert int(to_host(n_rows)[0]) == 4
+    assert sorted(to_host(rows_k)[:4].tolist()) == rows.tolist()  # written in no fixed order
     expect = [[-1, -1, -1, 1, -1, -1, -1]]
     assert forward_search_reference(s, q, d, bounds, 2)[0].tolist() == expect
-    table, report = forward_search_cuda(ds, dq, dd, bounds_k, inclusive, 2, 2,
-                                        grid=max_balanced_blocks(1, 5, 7, 2, 2))
+    table, counts = forward_search_cuda(ds, dq, dd, rows_k, n_rows, 2, 2, grid=upper)
     assert to_host(table).tolist() == expect
-    assert to_host(report).tolist() == [4, 1]  # 4 balanced blocks, 1 pair
+    assert to_host(counts).tolist() == [1]
 
 
 def test_segments_are_shifted_keys(rng):
@@ -206,24 +205,31 @@ def test_stages_kernel_equals_reference(rng):
     B, C = 32, 32
     bounds_r, _ = backward_search_reference(skeys, skeys, deltas, B)
     dkeys, ddeltas = to_device(skeys), to_device(deltas)  # the stage launchers take device arrays
-    bounds_k, inclusive = backward_search_cuda(dkeys, dkeys, ddeltas, B, C)
+    upper = max_balanced_blocks(len(deltas), len(skeys), len(skeys), B, C)
+    bounds_k, rows_k, n_rows = backward_search_cuda(dkeys, dkeys, ddeltas, B, C, upper)
     assert np.array_equal(to_host(bounds_k), bounds_r)
     rows_r = split_query_blocks_reference(bounds_r, C)
-    upper = max_balanced_blocks(len(deltas), len(skeys), len(skeys), B, C)
-    assert int(to_host(inclusive)[-1]) == len(rows_r) < upper
-    assert np.array_equal(to_host(balanced_rows_cuda(bounds_k, inclusive, C)), rows_r)
+    assert int(to_host(n_rows)[0]) == len(rows_r) < upper
+    got = to_host(rows_k)[: len(rows_r)]
+    assert np.array_equal(got[np.lexsort(got.T[::-1])], rows_r)  # written in no fixed order
     # balanced rows tile every query block exactly
     sizes = rows_r[:, 3] - rows_r[:, 2]
     assert sizes.min() >= 1 and sizes.max() <= C
     assert sizes.sum() == (bounds_r[:, -1] - bounds_r[:, 0]).sum()
     table_r, _ = forward_search_reference(skeys, skeys, deltas, bounds_r, B)
-    # The upper-bound launch: surplus blocks must leave at once (under the simulator a
-    # block that went on would index past the scan and raise).
-    table_k, report = forward_search_cuda(dkeys, dkeys, ddeltas, bounds_k, inclusive, B, C, grid=upper)
+    table_k, counts = forward_search_cuda(dkeys, dkeys, ddeltas, rows_k, n_rows, B, C, grid=upper)
     assert np.array_equal(to_host(table_k), table_r)
-    report = to_host(report)
-    assert report[0] == len(rows_r)
-    assert np.array_equal(report[1:], (table_r >= 0).sum(axis=1))  # pairs counted in the kernel
+    assert np.array_equal(to_host(counts), (table_r >= 0).sum(axis=1))  # counted in the kernel
+    # Blocks past the device count must leave, even where the rows hold real work:
+    # claim only half the rows and those queries must stay unanswered.
+    cut = len(rows_r) // 2
+    expect = table_r.copy()
+    for k, _, a, b in got[cut:]:
+        expect[k, a:b] = -1
+    assert (expect != table_r).any()
+    table_cut, _ = forward_search_cuda(dkeys, dkeys, ddeltas, rows_k, to_device(np.array([cut])), B, C,
+                                       grid=upper)
+    assert np.array_equal(to_host(table_cut), expect)
     assert np.array_equal(table_r, searchsorted_oracle_table(np.unique(c, axis=0), np.unique(c, axis=0), offs))
 
 
