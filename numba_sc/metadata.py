@@ -44,21 +44,60 @@ Worked example, 3 outputs, K = 2, max_padding 0 (so no grouping)::
     out_table (|Q| x K) = [[0, 2], [-1, 3], [1, 4]]
     in_table  (|P| x K) = [[1, 2], [0, 3], [-1, 4]]   (input 0 feeds output 2 via k=0)
 
-GPU cost for K offsets and |Q| outputs: one library scan over the K x |Q| map
-(reads 4K|Q|, writes 4K|Q|), one fill of the input table (4K|P|), one kernel
-(one thread per output) reading the map and the scan and writing both tables
-(~16K|Q| bytes). The only device->host copy is the K pair counts, which the host
-needs anyway to size the buffers and shape the GEMMs.
+How the device finds the ranks. The plain way is a scan of ``table >= 0`` along
+each offset's row, but a library scan over all K x |Q| entries is what used to
+dominate this stage (CuPy on an H100: 107 us for 27 x 94k, 854 us for 27 x 1M,
+``benchmarks/results/probe_host_costs_h100_2026-11-22.json``). Instead the outputs are cut
+into *chunks* of ``CHUNK`` consecutive outputs (1024 on a GPU: 128 threads x 8
+outputs each), and the rank is split in two parts:
+
+1. :func:`chunk_counts_kernel`, one block per (offset k, chunk c), counts the
+   pairs of k in chunk c: ``counts2d`` (K x n_chunks).
+2. One library scan of ``counts2d`` flattened row by row, K |Q| / CHUNK entries.
+   Its exclusive prefix ``E[k, c]`` counts the pairs of all chunks before (k, c),
+   offsets 0..k-1 included, so the rank of chunk (k, c)'s first pair within
+   offset k is ``E[k, c] - E[k, 0]``. (One flat scan instead of K row scans:
+   a 1-D scan is the cheap case for the library, and the subtraction is free.)
+3. :func:`tables_kernel`, one block per (k, c): each thread counts its run of 8
+   outputs, the block scans those counts, and each thread walks its run again,
+   giving its pairs consecutive ranks from there and writing both tables.
+
+The same example in chunks of 2 outputs: ``counts2d = [[1, 1], [2, 1]]``, flat
+inclusive scan ``[1, 2, 4, 5]``, ``E = [[0, 1], [2, 4]]``, chunk ranks
+``E - E[:, :1] = [[0, 1], [0, 2]]``: output 2 (chunk 1) is pair number 1 of k=0
+(row 0 + 1 = 1) and pair number 2 of k=1 (row 2 + 2 = 4), as above.
+
+GPU cost for K offsets, |Q| outputs and |P| inputs (int32 everywhere; K = 27,
+|Q| = |P| = 94k makes 4K|Q| = 10 MB):
+
+* ``chunk_counts_kernel`` reads the map once (4K|Q|) and writes 4 bytes per
+  chunk (4K|Q| / 1024, 10 KB).
+* the scan reads and writes K|Q| / 1024 entries (2,500 here): a launch, no traffic.
+* the fill of ``in_table`` writes 4K|P|.
+* ``tables_kernel`` reads the map again (4K|Q|; a 10 MB map may still be in the
+  50 MB L2) and the chunk counts, writes ``out_table`` (4K|Q|) and 4 bytes of
+  ``in_table`` per buffered pair.
+
+About 8K|Q| read and 8K|Q| + 4 bytes a pair written: ~40 MB, ~15 us at the
+H100's ~3 TB/s for 94k points, ~430 MB (~150 us) for 1M, against 107 / 854 us
+for the old 2-D scan alone; the old path also wrote ``table >= 0`` and the
+K x |Q| rank to memory and read them back (~10K|Q| more bytes). These are
+estimates from bytes moved, not yet measured on a GPU. One caveat they hide: a
+block writes ``out_table[i, k]`` for one k, a 4-byte entry in a row of K, so
+each store fills a piece of a 32-byte sector; blocks are numbered with k varying
+fastest so that the K blocks of one chunk write the same rows at about the same
+time and L2 can merge them. The only device->host copy is the K pair counts,
+which the host needs anyway to size the buffers and shape the GEMMs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import cuda
+from numba import cuda, int32
 
 from . import gemm_grouping as gg
-from .backend import device_xp, launch, resolve_backend, to_device, to_host
+from .backend import device_xp, launch, resolve_backend, simulating, to_device, to_host
 
 
 @dataclass
@@ -124,7 +163,7 @@ def _layout(kernel_map, sort, max_padding, solo_rows, direct_centre):
 # ------------------------------------------------------------------ reference
 def build_plan_reference(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
                          solo_rows=gg.DEFAULT_SOLO_ROWS, direct_centre=True) -> GmasPlan:
-    """NumPy version: the same scan, then fancy-indexed writes instead of a kernel."""
+    """NumPy version: the plain per-offset scan, then fancy-indexed writes instead of a kernel."""
     counts, order, groups, base, rows, centre, report = _layout(
         kernel_map, sort, max_padding, solo_rows, direct_centre)
     table = np.asarray(to_host(kernel_map.table))
@@ -140,40 +179,207 @@ def build_plan_reference(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDI
     return GmasPlan(counts, order, groups, base, rows, centre, in_table, out_table, report)
 
 
-# -------------------------------------------------------------------- kernels
-@cuda.jit
-def tables_kernel(table, rank, base, in_table, out_table):
-    """One thread per output i: for each offset, its pair's buffer row in both tables.
+def chunk_counts_reference(table, chunk: int) -> np.ndarray:
+    """``counts2d`` int32 (K, n_chunks): pairs of offset k among outputs
+    ``c * chunk : (c + 1) * chunk`` (the last chunk may be short)."""
+    table = np.asarray(to_host(table))
+    K, n_out = table.shape
+    n_chunks = -(-n_out // chunk)
+    hit = np.zeros((K, n_chunks * chunk), dtype=bool)  # padded with "no pair"
+    hit[:, :n_out] = table >= 0
+    return hit.reshape(K, n_chunks, chunk).sum(axis=2).astype(np.int32)
 
-    ``rank`` is the inclusive scan of ``table >= 0`` along the outputs, so the
-    pair (k, i) is the ``rank[k, i] - 1``-th of offset k.
+
+def chunk_rank_reference(counts2d) -> np.ndarray:
+    """Rank of each chunk's first pair within its offset: ``E[k, c] - E[k, 0]``.
+
+    ``E`` is the exclusive scan of ``counts2d`` flattened row by row, as the
+    device computes it (one flat library scan instead of one per offset). It
+    equals ``rank[k, c * chunk]`` of the plain per-offset scan.
     """
-    i = cuda.grid(1)
-    if i < table.shape[1]:
-        for k in range(table.shape[0]):
-            j = table[k, i]  # neighbouring threads read neighbouring entries: coalesced
-            b = base[k]
-            if j >= 0 and b >= 0:
-                row = b + rank[k, i] - 1
-                out_table[i, k] = row
-                in_table[j, k] = row  # j is distinct per i for a fixed k: no write race
-            else:
-                out_table[i, k] = -1  # every entry is written: no fill needed for this table
+    counts2d = np.asarray(counts2d, dtype=np.int64)
+    exclusive = (np.cumsum(counts2d.ravel()) - counts2d.ravel()).reshape(counts2d.shape)
+    return exclusive - exclusive[:, :1]
+
+
+# -------------------------------------------------------------------- kernels
+# A chunk is CHUNK = threads * ITEMS_PER_THREAD consecutive outputs of one offset;
+# thread t of its block owns the ITEMS_PER_THREAD outputs starting at
+# chunk start + t * ITEMS_PER_THREAD.
+METADATA_THREADS = 128  # threads per block on the GPU: CHUNK = 1024 outputs
+# Under the simulator every CUDA thread is a Python thread: 16 threads (CHUNK = 128)
+# keep the tests fast and put chunk boundaries inside clouds of a few hundred points.
+SIMULATOR_THREADS = 16
+ITEMS_PER_THREAD = 8
+MAX_THREADS = 128  # size of the shared arrays below (a compile-time constant)
+
+
+def metadata_threads() -> int:
+    """Threads per block of both kernels: 128 on the GPU, 16 simulated."""
+    return SIMULATOR_THREADS if simulating() else METADATA_THREADS
+
+
+def chunk_size(threads: int | None = None) -> int:
+    """Outputs per chunk for blocks of ``threads`` threads (default: this machine's)."""
+    return (threads or metadata_threads()) * ITEMS_PER_THREAD
+
+
+def _check_threads(threads: int) -> int:
+    # The tree reduction halves the active threads each step, so it needs a power
+    # of two; the shared arrays hold MAX_THREADS entries.
+    if not (0 < threads <= MAX_THREADS and threads & (threads - 1) == 0):
+        raise ValueError(f"threads must be a power of two up to {MAX_THREADS}, got {threads}")
+    return threads
+
+
+@cuda.jit(device=True)
+def _thread_range(c, chunk, n_out):
+    """Outputs ``lo:hi`` of this thread in chunk ``c`` (empty past the last output)."""
+    per = chunk // cuda.blockDim.x
+    lo = c * chunk + cuda.threadIdx.x * per
+    return lo, min(lo + per, n_out)
+
+
+@cuda.jit(device=True)
+def _hits(table, k, lo, hi):
+    """Pairs of offset k among outputs ``lo:hi``."""
+    n = 0
+    for i in range(lo, hi):
+        if table[k, i] >= 0:
+            n += 1
+    return n
+
+
+@cuda.jit
+def chunk_counts_kernel(table, chunk, counts2d):
+    """One block per (offset k, chunk c): ``counts2d[k, c]`` = pairs of k in chunk c.
+
+    Thread t counts its 8 outputs: 32 contiguous bytes of the table, one memory
+    sector, so the block reads its 4 KB piece of row k once and in full. Blocks
+    are numbered with k varying fastest (block = c * K + k), as in
+    :func:`tables_kernel`, where the numbering matters.
+    """
+    K = table.shape[0]
+    k = cuda.blockIdx.x % K
+    c = cuda.blockIdx.x // K
+    t = cuda.threadIdx.x
+    lo, hi = _thread_range(c, chunk, table.shape[1])
+    partial = cuda.shared.array(MAX_THREADS, int32)
+    partial[t] = _hits(table, k, lo, hi)
+    cuda.syncthreads()  # every thread's count is in before thread 0 adds them up
+    if t == 0:
+        # A sequential sum, not a tree: see the scan in tables_kernel for why.
+        total = 0
+        for u in range(cuda.blockDim.x):
+            total += partial[u]
+        counts2d[k, c] = total
+
+
+@cuda.jit
+def tables_kernel(table, counts2d, inclusive, base, chunk, in_table, out_table):
+    """One block per (offset k, chunk c): the buffer row of every pair of k in chunk c.
+
+    ``inclusive`` is the flat inclusive scan of ``counts2d`` (K x n_chunks,
+    row-major), so ``E[k, c] = inclusive[k * n_chunks + c] - counts2d[k, c]`` is
+    the number of pairs in all chunks before (k, c), of every offset; subtracting
+    ``E[k, 0]`` (the pairs of offsets 0..k-1) leaves the pairs of offset k in its
+    chunks before c: the rank of chunk (k, c)'s first pair.
+
+    Why each thread owns a *contiguous* run of outputs: ranks follow the output
+    order, so when thread t's outputs all come after thread t - 1's, a thread's
+    first rank is the chunk's first rank plus the pairs of the threads before it,
+    one exclusive scan over the block. (With the usual strided ownership, output
+    t + s * threads, the ranks of the threads would interleave.)
+
+    Blocks are numbered with k varying fastest, so the K blocks of one chunk run
+    at about the same time: their writes ``out_table[i, k]`` land in the same rows
+    of ``out_table`` (one 4-byte entry per row each) and can meet in L2 before
+    they go to memory.
+    """
+    K = table.shape[0]
+    k = cuda.blockIdx.x % K
+    c = cuda.blockIdx.x // K
+    t = cuda.threadIdx.x
+    lo, hi = _thread_range(c, chunk, table.shape[1])
+    first_row = base[k]
+    if first_row < 0:
+        # Offset k is not in the buffers (no pairs, or the centre multiplied
+        # directly). base[k] is the same for the whole block, so the whole block
+        # leaves here together and nobody waits at a barrier below for it.
+        for i in range(lo, hi):
+            out_table[i, k] = -1  # every entry is written: out_table needs no fill
+        return
+    scan = cuda.shared.array(MAX_THREADS, int32)
+    scan[t] = _hits(table, k, lo, hi)
+    cuda.syncthreads()  # every thread's count is in before thread 0 scans them
+    if t == 0:
+        # Exclusive scan of the per-thread counts, sequentially by thread 0.
+        # Why not a parallel (Hillis-Steele) scan: it takes log2(threads) steps
+        # of two barriers each (14 at 128 threads) against 128 additions here,
+        # and either is small next to the block's own memory reads (a thread's
+        # first load waits about half a microsecond). Under the simulator, where
+        # every CUDA thread is a Python thread, each barrier costs milliseconds
+        # per block: two barriers instead of nine (at 16 threads), with the same
+        # choice in chunk_counts_kernel, built a 167-point plan in 1.4 s instead
+        # of 2.4 s. Untimed on a GPU; a warp-shuffle scan is the next step if
+        # this ever shows up in a profile.
+        running = 0
+        for u in range(cuda.blockDim.x):
+            n = scan[u]
+            scan[u] = running
+            running += n
+    cuda.syncthreads()  # the scan is written before anyone reads its entry
+    f = k * counts2d.shape[1]  # flat index of chunk (k, 0)
+    rank = (inclusive[f + c] - counts2d[k, c]) - (inclusive[f] - counts2d[k, 0])  # E[k,c] - E[k,0]
+    rank += scan[t]  # the pairs of the threads before this one in the chunk
+    for i in range(lo, hi):  # the same outputs again, read a moment ago: likely still cached
+        j = table[k, i]
+        if j >= 0:
+            row = first_row + rank
+            out_table[i, k] = row
+            in_table[j, k] = row  # j is distinct per i for a fixed k: no write race
+            rank += 1
+        else:
+            out_table[i, k] = -1
+
+
+def chunk_counts_cuda(table, threads: int | None = None):
+    """``counts2d`` int32 (K, n_chunks): pairs of each offset in each chunk (kernel)."""
+    threads = _check_threads(threads or metadata_threads())
+    chunk = chunk_size(threads)
+    table = to_device(table)
+    K, n_out = table.shape
+    n_chunks = -(-n_out // chunk)
+    counts2d = device_xp().empty((K, n_chunks), dtype=np.int32)  # every entry is written
+    launch(chunk_counts_kernel, K * n_chunks, table, chunk, counts2d,
+           threads=threads, blocks=K * n_chunks)
+    return counts2d
 
 
 def build_plan_cuda(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
-                    solo_rows=gg.DEFAULT_SOLO_ROWS, direct_centre=True) -> GmasPlan:
-    """Device version: one library scan, one fill, one kernel."""
+                    solo_rows=gg.DEFAULT_SOLO_ROWS, direct_centre=True,
+                    threads: int | None = None) -> GmasPlan:
+    """Device version: count per chunk, a small library scan, one fill, the tables.
+
+    ``threads``: threads per block, so chunks of ``threads * ITEMS_PER_THREAD``
+    outputs (default :func:`metadata_threads`; the tests vary it).
+    """
     counts, order, groups, base, rows, centre, report = _layout(
         kernel_map, sort, max_padding, solo_rows, direct_centre)
     xp = device_xp()
+    threads = _check_threads(threads or metadata_threads())
     table = to_device(kernel_map.table)
     K, n_out = table.shape
     n_in = len(kernel_map.in_coords)
-    rank = xp.cumsum(table >= 0, axis=1, dtype=np.int32)
+    counts2d = chunk_counts_cuda(table, threads)
+    # K * |Q| / CHUNK entries: about 2,500 for K = 27 and |Q| = 94k, where the scan
+    # of the whole table had 2.5 million. int32 like the tables themselves.
+    inclusive = xp.cumsum(counts2d.ravel(), dtype=np.int32)
     in_table = xp.full((n_in, K), -1, dtype=np.int32)
     out_table = xp.empty((n_out, K), dtype=np.int32)
-    launch(tables_kernel, n_out, table, rank, to_device(base.astype(np.int32)), in_table, out_table)
+    n_blocks = counts2d.size
+    launch(tables_kernel, n_blocks, table, counts2d, inclusive, to_device(base.astype(np.int32)),
+           chunk_size(threads), in_table, out_table, threads=threads, blocks=n_blocks)
     return GmasPlan(counts, order, groups, base, rows, centre, in_table, out_table, report)
 
 

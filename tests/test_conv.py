@@ -12,6 +12,8 @@ output in half precision; sums in fp32) to 5e-3 of the norm: half precision keep
 11 significant bits (unit roundoff 4.9e-4), and a partial result is rounded in
 the output buffer and again at the end.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -25,7 +27,8 @@ from numba_sc.conv import gmas, resolve_tiles
 from numba_sc.gather import divisors, gather_cuda, gather_reference
 from numba_sc.gemm_grouping import make_groups, offset_order, padding_report
 from numba_sc.kernel_map import build_kernel_map
-from numba_sc.metadata import build_plan
+from numba_sc.metadata import (ITEMS_PER_THREAD, build_plan, build_plan_cuda, chunk_counts_cuda,
+                               chunk_counts_reference, chunk_rank_reference, chunk_size)
 from numba_sc.scatter import scatter_cuda, scatter_reference
 
 from conftest import crop, load_scan
@@ -331,6 +334,174 @@ def test_metadata_kernel_matches_reference(rng):
             rows = out_table[out_table >= 0]
             assert len(rows) == len(np.unique(rows)) == km.counts.sum() - (
                 km.counts[a.centre] if a.centre >= 0 else 0)
+
+
+# The chunked rank of the metadata kernels: chunks of CHUNK outputs (128 under the
+# simulator), each thread of a block a run of ITEMS_PER_THREAD (8) of them.
+CHUNK = chunk_size()
+PER = ITEMS_PER_THREAD
+
+
+def synthetic_map(table, n_in, offsets=None):
+    """A kernel map made of a table alone (what build_plan reads of a map)."""
+    from types import SimpleNamespace
+
+    table = np.asarray(table, np.int32)
+    K, n_out = table.shape
+    if offsets is None:  # K distinct offsets, none of them the centre
+        offsets = np.stack([np.zeros(K), np.zeros(K), np.arange(1, K + 1)], axis=1)
+    return SimpleNamespace(
+        table=table, counts=(table >= 0).sum(axis=1), offsets=np.asarray(offsets, np.int32),
+        in_coords=np.zeros((n_in, 3), np.int32), out_coords=np.zeros((n_out, 3), np.int32))
+
+
+def random_pairs(rng, n_out, n_in, density, forced=()):
+    """One table row: about density * n_out pairs (and one at each forced output),
+    distinct inputs, as every offset of a real map has."""
+    hit = rng.random(n_out) < density
+    hit[list(forced)] = True
+    row = np.full(n_out, -1, np.int32)
+    row[hit] = rng.permutation(n_in)[:hit.sum()]
+    return row
+
+
+def boundary_table(rng):
+    """K = 4 offsets over 3 chunks and a short fourth: one without pairs, one full,
+    one random with pairs forced on chunk and thread boundaries, one with pairs only
+    on the last output of each chunk."""
+    n_out = 3 * CHUNK + 7
+    edges = [PER - 1, PER, CHUNK - 1, CHUNK, 2 * CHUNK - 1, 2 * CHUNK, n_out - 1]
+    last_of_chunk = [c * CHUNK + CHUNK - 1 for c in range(3)] + [n_out - 1]
+    table = np.full((4, n_out), -1, np.int32)
+    table[1] = rng.permutation(n_out + 50)[:n_out]
+    table[2] = random_pairs(rng, n_out, n_out + 50, 0.3, edges)
+    table[2, 0] = -1  # and none on the very first output
+    table[3] = random_pairs(rng, n_out, n_out + 50, 0.0, last_of_chunk)
+    return table, n_out + 50
+
+
+def check_plan_tables(plan, km):
+    """The layout's definition, checked without the reference: offset k's pairs take
+    rows base[k], base[k] + 1, ... in output order; the input table agrees; every
+    other entry is -1."""
+    table = to_host(km.table)
+    out_table, in_table = to_host(plan.out_table), to_host(plan.in_table)
+    want_in = np.full_like(in_table, -1)
+    for k in range(table.shape[0]):
+        has = table[k] >= 0
+        if plan.base[k] < 0:
+            assert (out_table[:, k] == -1).all()
+            continue
+        rows = plan.base[k] + np.arange(has.sum())
+        np.testing.assert_array_equal(out_table[has, k], rows)
+        assert (out_table[~has, k] == -1).all()
+        want_in[table[k, has], k] = rows
+    np.testing.assert_array_equal(in_table, want_in)
+
+
+def assert_plans_equal(a, b):
+    np.testing.assert_array_equal(to_host(a.out_table), to_host(b.out_table))
+    np.testing.assert_array_equal(to_host(a.in_table), to_host(b.in_table))
+    np.testing.assert_array_equal(a.base, b.base)
+    assert a.rows == b.rows and a.centre == b.centre
+
+
+def test_chunk_counts_kernel_matches_reference(rng):
+    for K, n_out in [(1, 1), (3, CHUNK - 1), (2, CHUNK), (3, CHUNK + 1), (2, 3 * CHUNK + 5)]:
+        # an offset without pairs, one with a pair on the very last output, a full one
+        table = np.stack([random_pairs(rng, n_out, n_out, d, [n_out - 1] if d else [])
+                          for d in (0.0, 0.5, 1.0)[-K:]])
+        got = to_host(chunk_counts_cuda(table))
+        want = chunk_counts_reference(table, CHUNK)
+        assert got.shape == (K, -(-n_out // CHUNK))
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(want.sum(axis=1), (table >= 0).sum(axis=1))
+    # Smaller blocks, smaller chunks: 4 threads, chunks of 32 outputs.
+    table = np.stack([random_pairs(rng, 100, 100, 0.4), random_pairs(rng, 100, 100, 0.9)])
+    np.testing.assert_array_equal(to_host(chunk_counts_cuda(table, threads=4)),
+                                  chunk_counts_reference(table, 4 * PER))
+
+
+def test_chunk_rank_is_the_rank_at_each_chunk_start(rng):
+    """E[k, c] - E[k, 0] of the flat scan == the per-offset scan at the chunk's start."""
+    table, _ = boundary_table(rng)
+    for chunk in (CHUNK, 32, 8, 1):
+        start = chunk_rank_reference(chunk_counts_reference(table, chunk))
+        rank = np.cumsum(table >= 0, axis=1) - (table >= 0)  # pairs before each output
+        np.testing.assert_array_equal(start, rank[:, ::chunk])
+    # The docstring's example, chunks of 2 outputs.
+    table = np.array([[1, -1, 0], [0, 1, 2]])
+    counts2d = chunk_counts_reference(table, 2)
+    np.testing.assert_array_equal(counts2d, [[1, 1], [2, 1]])
+    np.testing.assert_array_equal(chunk_rank_reference(counts2d), [[0, 1], [0, 2]])
+
+
+def test_metadata_tables_across_chunks(rng):
+    """Pairs over several chunks, on every chunk and thread boundary, an empty offset."""
+    table, n_in = boundary_table(rng)
+    km = synthetic_map(table, n_in)
+    for kw in [dict(max_padding=0.0), dict(sort=False)]:
+        a = build_plan(km, backend="cuda", **kw)
+        assert a.base[0] == -1 and (a.base[1:] >= 0).all()
+        check_plan_tables(a, km)
+        assert_plans_equal(a, build_plan(km, backend="reference", **kw))
+    # 4 threads a block: chunks of 32 outputs, 13 of them per offset.
+    a = build_plan_cuda(km, max_padding=0.0, threads=4)
+    check_plan_tables(a, km)
+    assert_plans_equal(a, build_plan(km, max_padding=0.0, backend="reference"))
+    # No outputs at all: no chunks, nothing launched, empty tables of the right shape.
+    empty = build_plan(synthetic_map(np.full((2, 0), -1), 5), backend="cuda")
+    assert to_host(empty.out_table).shape == (0, 2) and (to_host(empty.in_table) == -1).all()
+
+
+def test_metadata_single_offset(rng):
+    """K = 1: an ordinary offset, then the centre alone, direct or through the buffers."""
+    n = CHUNK + 40
+    km = synthetic_map(random_pairs(rng, n, n, 0.5, [CHUNK - 1])[None], n)
+    a = build_plan(km, backend="cuda")
+    check_plan_tables(a, km)
+    assert_plans_equal(a, build_plan(km, backend="reference"))
+    centre = synthetic_map(np.arange(n)[None], n, offsets=[[0, 0, 0]])
+    direct = build_plan(centre, backend="cuda")
+    assert direct.centre == 0 and direct.rows == 0 and (to_host(direct.out_table) == -1).all()
+    assert (to_host(direct.in_table) == -1).all()
+    buffered = build_plan(centre, direct_centre=False, backend="cuda")
+    assert buffered.centre == -1 and buffered.rows == n
+    np.testing.assert_array_equal(to_host(buffered.out_table)[:, 0], np.arange(n))
+    np.testing.assert_array_equal(to_host(buffered.in_table)[:, 0], np.arange(n))
+
+
+def test_metadata_centre_through_buffers(rng):
+    """direct_centre=False on a real map: the centre is an offset like the others."""
+    x = tensor(rng, 200, 1)
+    km = build_kernel_map(x.coords, 3)  # two chunks under the simulator (CHUNK = 128)
+    a = build_plan(km, direct_centre=False, backend="cuda")
+    b = build_plan(km, direct_centre=False, backend="reference")
+    assert a.centre == -1 and a.base[13] >= 0  # offset 13 is (0, 0, 0)
+    check_plan_tables(a, km)
+    assert_plans_equal(a, b)
+
+
+def test_metadata_check_sees_one_corrupted_entry(rng):
+    """The checks above can fail: one wrong table entry changes the kernel's tables."""
+    table, n_in = boundary_table(rng)
+    good = build_plan(synthetic_map(table, n_in), max_padding=0.0, backend="cuda")
+    # Remove the pair on the last output of the first chunk of offset 3: the later
+    # pairs of offset 3 move up one row.
+    bad_table = table.copy()
+    bad_table[3, CHUNK - 1] = -1
+    km = synthetic_map(bad_table, n_in)
+    bad = build_plan(km, max_padding=0.0, backend="cuda")
+    check_plan_tables(bad, km)
+    with pytest.raises(AssertionError):
+        assert_plans_equal(bad, good)
+    with pytest.raises(AssertionError):  # the old tables do not fit the new map
+        check_plan_tables(good, km)
+    # One entry of the kernel's output off by one is caught by the definition check.
+    out_table = to_host(good.out_table).copy()
+    out_table[2 * CHUNK - 1, 2] += 1  # a pair of offset 2 (a forced one)
+    with pytest.raises(AssertionError):
+        check_plan_tables(dataclasses.replace(good, out_table=out_table), synthetic_map(table, n_in))
 
 
 def test_plan_variants_agree(rng):
