@@ -35,8 +35,7 @@ queries) gives two rows ``(0, 0, 0, 2)`` and ``(0, 0, 2, 4)``.
 
 Costs (paper Section 5.1.3): ``K * ceil(|P|/B)`` searches of about
 ``log2 |Q|`` steps each - for 94k voxels, 27 offsets and B = 256: 9,963 threads
-x 17 steps (plus a shorter second search for the block's start), a few hundred
-kB of key reads that mostly hit cache, because neighbouring threads search
+x 17 steps, a few hundred kB of key reads that mostly hit cache, because neighbouring threads search
 neighbouring pivots in the same segment. The bounds are ``8 K (|P|/B + 1)``
 bytes, the rows 16 bytes each, and one global atomic per thread block of 256.
 """
@@ -151,6 +150,9 @@ def upper_bound_in_segment(qkeys, deltas, k, pivot, hi):
     return lo
 
 
+BACKWARD_THREADS = 256  # threads per block of the backward kernel (the shared arrays' size)
+
+
 @cuda.jit
 def backward_search_kernel(skeys, qkeys, deltas, B, C, bounds, rows, n_rows):
     """One thread per (segment k, source block j): query block (k, j), cut into balanced rows.
@@ -159,10 +161,11 @@ def backward_search_kernel(skeys, qkeys, deltas, B, C, bounds, rows, n_rows):
     neighbouring pivots in one segment and walks nearly the same path through it:
     the sorted-query cache locality of Section 5.1, applied to the pivots.
 
-    The block's end is the upper bound of pivot j; its start is the upper bound of
-    pivot j - 1, which the neighbouring thread also finds. Searching it again here
-    (inside ``0..end`` only) costs a few cached steps and lets this thread cut its
-    own block into ``n = ceil(size / C)`` balanced rows (Figure 11, step 3) at once.
+    The block's end is the upper bound of pivot j. Its start is the end of block
+    j - 1, which the thread to the left has just found: it is passed through
+    shared memory, and only the first thread of each thread block searches it
+    again. Knowing both ends, the thread cuts its query block into
+    ``n = ceil(size / C)`` balanced rows (Figure 11, step 3) at once.
 
     Where do the rows go? Each thread block reserves room for all of its threads'
     rows with one atomic add on the global count ``n_rows[0]``, and each thread
@@ -173,29 +176,37 @@ def backward_search_kernel(skeys, qkeys, deltas, B, C, bounds, rows, n_rows):
     the rows, costs two more launches.
     """
     t = cuda.grid(1)
+    tid = cuda.threadIdx.x
     nb = bounds.shape[1] - 1
+    ends = cuda.shared.array(BACKWARD_THREADS, int64)  # each thread's block end, for its right neighbour
     block_rows = cuda.shared.array(1, int64)  # rows of this thread block, then its base
-    if cuda.threadIdx.x == 0:
+    if tid == 0:
         block_rows[0] = 0
-    cuda.syncthreads()
-    n = mine = k = j = start = size = 0
-    if t < deltas.shape[0] * nb:
+    n = mine = k = j = start = size = end = 0
+    active = t < deltas.shape[0] * nb
+    if active:
         k = t // nb
         j = t - k * nb
         pivot = skeys[min((j + 1) * B, skeys.shape[0]) - 1]  # last key of source block j
         end = upper_bound_in_segment(qkeys, deltas, k, pivot, qkeys.shape[0])
-        start = 0
-        if j > 0:
-            start = upper_bound_in_segment(qkeys, deltas, k, skeys[j * B - 1], end)
         bounds[k, j + 1] = end
         if j == 0:
             bounds[k, 0] = 0  # every segment's first block starts at its first query
+    ends[tid] = end
+    cuda.syncthreads()  # every end of this thread block is known
+    if active:
+        if j == 0:
+            start = 0
+        elif tid > 0:
+            start = ends[tid - 1]  # the left neighbour: same segment, block j - 1
+        else:  # the left neighbour belongs to the previous thread block: search again
+            start = upper_bound_in_segment(qkeys, deltas, k, skeys[j * B - 1], end)
         size = end - start
         n = (size + C - 1) // C
         if n > 0:
             mine = cuda.atomic.add(block_rows, 0, n)  # this thread's offset in the block's room
     cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
+    if tid == 0:
         block_rows[0] = cuda.atomic.add(n_rows, 0, block_rows[0])  # the block's room
     cuda.syncthreads()
     for p in range(n):
@@ -221,5 +232,8 @@ def backward_search_cuda(skeys, qkeys, deltas, B, C, max_rows, n_rows=None):
     rows = xp.empty((max(int(max_rows), 1), 4), dtype=np.int32)
     if n_rows is None:
         n_rows = xp.zeros(1, dtype=np.int64)
-    launch(backward_search_kernel, K * nb, skeys, qkeys, deltas, B, C, bounds, rows, n_rows)
+    # The kernel's shared array holds one end per thread: launch exactly that many
+    # threads per block (under the simulator too, where fewer would be faster).
+    launch(backward_search_kernel, K * nb, skeys, qkeys, deltas, B, C, bounds, rows, n_rows,
+           threads=BACKWARD_THREADS)
     return bounds, rows, n_rows

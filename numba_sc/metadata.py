@@ -119,6 +119,14 @@ class GmasPlan:
         return len(self.groups)
 
 
+def _host_counts(kernel_map) -> np.ndarray:
+    """The map's pair counts on the host: a :class:`numba_sc.KernelMap` from the kernel
+    path already holds them (read with its report); anything else is read here."""
+    if hasattr(kernel_map, "host_counts"):
+        return kernel_map.host_counts()
+    return np.asarray(to_host(kernel_map.counts), dtype=np.int64)
+
+
 def submanifold_centre(kernel_map, counts=None) -> int:
     """Index of the offset (0, 0, 0) when it maps every point to itself, else -1.
 
@@ -130,7 +138,7 @@ def submanifold_centre(kernel_map, counts=None) -> int:
         return -1
     c = int(hits[0])
     n_in, n_out = len(kernel_map.in_coords), len(kernel_map.out_coords)
-    counts = to_host(kernel_map.counts) if counts is None else counts
+    counts = _host_counts(kernel_map) if counts is None else counts
     return c if (n_in == n_out == int(counts[c])) else -1
 
 
@@ -142,12 +150,12 @@ def grouping_report(kernel_map, max_padding=gg.DEFAULT_MAX_PADDING,
     multiplied directly) is in neither count.
     """
     centre = submanifold_centre(kernel_map) if direct_centre else -1
-    return gg.padding_report(to_host(kernel_map.counts), centre, max_padding, solo_rows)
+    return gg.padding_report(_host_counts(kernel_map), centre, max_padding, solo_rows)
 
 
 def _layout(kernel_map, sort, max_padding, solo_rows, direct_centre):
     """Host part: counts -> order, groups, base rows."""
-    counts = np.asarray(to_host(kernel_map.counts), dtype=np.int64)  # the one device read
+    counts = _host_counts(kernel_map)  # read with the Map step's report: no device read here
     centre = submanifold_centre(kernel_map, counts) if direct_centre else -1
     order = gg.offset_order(counts, sort, centre)
     groups = gg.make_groups(counts, order, max_padding, solo_rows)
