@@ -208,7 +208,7 @@ def main():
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
     ap.add_argument("--out", default="bench_conv.json")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--channels", default=",".join(f"{a}-{b}" for a, b in CHANNELS),
                     help="e.g. 4-16,64-64")
     ap.add_argument("--datasets", default="kitti,random")

@@ -270,7 +270,7 @@ def main(argv=None):
                     "(default ../shared/data, then .devdata/)")
     ap.add_argument("--out", required=True, help="write the full results as JSON here")
     ap.add_argument("--repeats", type=int, default=20, help="timed runs per measurement (median)")
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--random-n", type=int, default=1_000_000)
     ap.add_argument("--box", type=int, default=400)
     ap.add_argument("--no-sweep", action="store_true", help="skip the B x C sweep")

@@ -47,6 +47,12 @@ from numba import cuda, int64
 from .backend import device_xp, launch
 from .query_segments import query_key, query_key_reference
 
+# Defaults of B and C, picked by the B x C sweep on an H100 (benchmarks/bench_map.py,
+# results in benchmarks/results/map_sweep_*.json; paper Figure 18): over SemanticKITTI
+# and 1M random voxels, B = 512 with C = 1024 was fastest in total (the paper used 256
+# and 512 on its GPUs).
+DEFAULT_SOURCE_BLOCK = 512
+DEFAULT_QUERY_BLOCK = 1024
 MIN_SOURCE_BLOCK = 32
 MAX_SOURCE_BLOCK = 4096  # 4096 int64 keys = 32 kB of shared memory (48 kB is the default cap)
 

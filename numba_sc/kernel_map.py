@@ -66,7 +66,7 @@ import numpy as np
 
 from . import conventions as cv
 from .backend import device_xp, like, resolve_backend, simulating, to_device, to_host
-from .backward_search import (backward_search_cuda, backward_search_reference, check_block_sizes,
+from .backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backward_search_cuda, backward_search_reference, check_block_sizes,
                               max_balanced_blocks, num_source_blocks, split_query_blocks_reference)
 from .forward_search import forward_search_cuda, forward_search_reference
 from .output_coords import output_coordinates
@@ -225,7 +225,7 @@ def _sorted_reference(coords, reach, name, assume_sorted):
 
 
 def build_kernel_map_reference(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
-                               out_coords=None, source_block=256, query_block=512,
+                               out_coords=None, source_block=DEFAULT_SOURCE_BLOCK, query_block=DEFAULT_QUERY_BLOCK,
                                assume_sorted=False) -> KernelMap:
     """The Map step in vectorized NumPy, with the comparisons of both searches counted."""
     B, C = check_block_sizes(source_block, query_block)
@@ -319,7 +319,7 @@ def _check_report(report, sides):
 
 
 def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
-                          out_coords=None, source_block=256, query_block=512,
+                          out_coords=None, source_block=DEFAULT_SOURCE_BLOCK, query_block=DEFAULT_QUERY_BLOCK,
                           assume_sorted=False) -> KernelMap:
     """The Map step with the kernels; arrays stay on the device, no Python loop over K."""
     B, C = check_block_sizes(source_block, query_block)
@@ -384,7 +384,7 @@ def _finish(in_sorted, out_sorted, in_order, offsets, table, counts, stats, ks, 
 
 # ----------------------------------------------------------------------- API
 def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
-                     out_coords=None, backend=None, source_block=256, query_block=512,
+                     out_coords=None, backend=None, source_block=DEFAULT_SOURCE_BLOCK, query_block=DEFAULT_QUERY_BLOCK,
                      assume_sorted=False) -> KernelMap:
     """Build the kernel map of a sparse convolution (Minuet's Map step).
 
@@ -403,9 +403,9 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
         tensor_stride)``, which is the input itself for stride 1.
     backend : None | "cuda" | "reference"
     source_block : int
-        B, keys per source block: a power of two in 32..4096 (default 256).
+        B, keys per source block: a power of two in 32..4096 (default 512, the fastest in our sweep).
     query_block : int
-        C, the largest balanced query block (default 512).
+        C, the largest balanced query block (default 1024).
     assume_sorted : bool
         The caller vouches that ``in_coords`` are sorted and unique (a
         :class:`numba_sc.SparseTensor`'s coordinates are). The kernel path then

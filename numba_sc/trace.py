@@ -37,7 +37,7 @@ import numpy as np
 from . import conventions as cv
 from . import gemm_grouping as gg
 from .backend import device_xp, resolve_backend, to_host
-from .backward_search import (backward_search_cuda, backward_search_reference,
+from .backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backward_search_cuda, backward_search_reference,
                               max_balanced_blocks, split_query_blocks_reference)
 from .conv import SparseTensor, _prepare_layer
 from .gather import gather_cuda, gather_reference
@@ -86,7 +86,7 @@ class Trace(dict):
 
 
 def trace(coords, features, weight, kernel_size=3, stride=1, dilation=1, backend=None,
-          source_block=256, query_block=512, tile_size=(1, 1)) -> Trace:
+          source_block=DEFAULT_SOURCE_BLOCK, query_block=DEFAULT_QUERY_BLOCK, tile_size=(1, 1)) -> Trace:
     """Run one sparse convolution and return all its intermediates (see the module table).
 
     ``coords`` (N, 3|4) int, ``features`` (N, C_in) float32/16, ``weight``
