@@ -93,11 +93,11 @@ def make_groups(counts, order, max_padding=DEFAULT_MAX_PADDING,
     """
     if max_padding < 0:
         raise ValueError(f"max_padding must be >= 0 (a fraction of real rows), got {max_padding}")
-    counts = np.asarray(counts, dtype=np.int64)
+    counts = np.asarray(counts, dtype=np.int64).tolist()  # Python ints: a fast loop
     groups, start = [], 0
     members, real, tallest = [], 0, 0
-    for k in order:
-        c = int(counts[k])
+    for k in np.asarray(order).tolist():
+        c = counts[k]
         if members:
             t = max(tallest, c)
             padded = t * (len(members) + 1)
