@@ -20,11 +20,13 @@ Bytes moved on the GPU, N keys: sort ~ a few passes of 8N; mark_heads reads 16N
 and writes 4N; compact reads ~28N and writes ~24N. All linear, all coalesced
 except the scattered ``inverse`` write.
 
-The Map step (stages 4-6) needs less: the source keys and the query keys sorted
-(:func:`sort_keys_reference` / :func:`sort_keys_cuda`), and a check that the
-caller gave no coordinate twice (:func:`count_duplicates_reference` /
-``_cuda``), because a kernel map from a cloud with repeated voxels is not
-well defined. The weight offsets need no sort at run time:
+The Map step (stages 4-6) needs less: the source keys and the query keys sorted,
+the coordinate rows in the same order, and a check that the caller gave no
+coordinate twice (:func:`sort_rows_reference` / :func:`sort_rows_cuda`), because a
+kernel map from a cloud with repeated voxels is not well defined. On the device
+that is the library's argsort and one :func:`permute_kernel`; and it runs only
+when the pack kernel found the keys out of order (see
+:mod:`numba_sc.kernel_map`). The weight offsets need no sort at run time:
 :func:`numba_sc.conventions.kernel_offsets` lists them in lexicographic order,
 and so their key deltas are sorted too (paper Section 5.1.1, first reason).
 """
@@ -95,26 +97,6 @@ def compact_kernel(skeys, order, head, run, ukeys, starts, inverse):
             starts[r] = i
         if i == n - 1:
             starts[r + 1] = n  # sentinel: end of the last run
-
-
-def sort_keys_cuda(keys):
-    """Library sort on the device side: returns (sorted keys, order as int64).
-
-    CuPy's radix sort on a GPU; NumPy's stable sort under the simulator. No
-    device->host transfer: both results stay on the device.
-    """
-    xp = device_xp()
-    order = xp.argsort(keys, kind="stable") if xp is np else xp.argsort(keys)
-    order = order.astype(np.int64, copy=False)
-    return keys[order], order
-
-
-def count_duplicates_cuda(skeys):
-    """Device version of :func:`count_duplicates_reference`; a 0-d device array.
-
-    One library reduction; reading it with ``int()`` is a device->host sync.
-    """
-    return (skeys[1:] == skeys[:-1]).sum()
 
 
 @cuda.jit
