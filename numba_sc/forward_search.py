@@ -48,7 +48,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, int32, int64
 
-from .backend import device_xp, launch, simulating
+from .backend import filled, launch, simulating
 from .query_segments import query_key, query_key_reference
 
 FORWARD_THREADS = 128  # threads per block on the GPU (the paper's setting)
@@ -163,11 +163,10 @@ def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=N
     docstring). ``counts`` (int64 (K,) zeros on the device, made here when not
     given) receives the pairs per offset; the table is int32 (K, |Q|).
     """
-    xp = device_xp()
     K = deltas.shape[0]
-    table = xp.full((K, qkeys.shape[0]), -1, dtype=np.int32)
+    table = filled((K, qkeys.shape[0]), np.int32, -1)  # misses stay -1: only hits are written
     if counts is None:
-        counts = xp.zeros(K, dtype=np.int64)
+        counts = filled(K, np.int64, 0)
     if grid > 0:
         launch(forward_search_kernel(int(B)), int(grid), skeys, qkeys, deltas, rows, n_rows, table,
                counts, threads=forward_threads(C), blocks=int(grid))

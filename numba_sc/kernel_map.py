@@ -65,7 +65,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import conventions as cv
-from .backend import device_xp, like, resolve_backend, simulating, to_device, to_host
+from .backend import device_xp, filled, like, resolve_backend, simulating, to_device, to_host
 from .backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backward_search_cuda, backward_search_reference, check_block_sizes,
                               max_balanced_blocks, num_source_blocks, split_query_blocks_reference)
 from .forward_search import forward_search_cuda, forward_search_reference
@@ -83,7 +83,7 @@ class KernelMap:
 
     in_coords: object  # int32 (|P|, 3|4), sorted: the search's source order
     out_coords: object  # int32 (|Q|, 3|4), sorted: the search's query order
-    in_order: object  # int64 (|P|,): in_coords == caller_in_coords[in_order]
+    _in_order: object  # int64 (|P|,), or None for the identity (see the in_order property)
     offsets: np.ndarray  # int32 (K, 3), sorted lexicographically (host)
     table: object  # int32 (K, |Q|): index into in_coords of out_coords[i] + offsets[k], or -1
     counts: object  # int64 (K,): pairs per offset, (table >= 0).sum(1)
@@ -93,9 +93,35 @@ class KernelMap:
     dilation: tuple = (1, 1, 1)
     tensor_stride: tuple = (1, 1, 1)  # of the input tensor
     out_tensor_stride: tuple = (1, 1, 1)  # of the output tensor
-    out_order: object = None  # int64 (|Q|,): out_coords == caller_out_coords[out_order]
+    _out_order: object = None  # int64 (|Q|,), or None for the identity (see out_order)
     is_transposed: bool = False  # True for the map made by transposed()
     counts_host: np.ndarray = field(default=None, repr=False)  # host copy of counts, once read
+
+    # The orders are the identity whenever the coordinates came in sorted, which is
+    # always the case inside a network (every stage hands out sorted coordinates).
+    # The kernel path then stores None and makes the arange only if someone reads
+    # it: a library arange costs a launch, ~20-40 us of host time per layer.
+    @property
+    def in_order(self):
+        """int64 (|P|,): ``in_coords == caller_in_coords[in_order]``."""
+        if self._in_order is None:
+            self._in_order = _identity(self.in_coords)
+        return self._in_order
+
+    @in_order.setter
+    def in_order(self, value):
+        self._in_order = value
+
+    @property
+    def out_order(self):
+        """int64 (|Q|,): ``out_coords == caller_out_coords[out_order]``."""
+        if self._out_order is None:
+            self._out_order = _identity(self.out_coords)
+        return self._out_order
+
+    @out_order.setter
+    def out_order(self, value):
+        self._out_order = value
 
     def host_counts(self) -> np.ndarray:
         """``counts`` on the host (int64), read from the device at most once.
@@ -143,11 +169,16 @@ class KernelMap:
         t[dest.ravel()] = src.ravel()
         counts = self.counts[::-1].copy()
         return KernelMap(
-            self.out_coords, self.in_coords, self.out_order,
+            self.out_coords, self.in_coords, self._out_order,
             np.ascontiguousarray(-self.offsets[::-1]), t[:-1].reshape(K, P), counts,
             {"transposed_from": dict(self.stats)}, self.kernel_size, self.stride, self.dilation,
-            self.out_tensor_stride, self.tensor_stride, self.in_order, not self.is_transposed,
+            self.out_tensor_stride, self.tensor_stride, self._in_order, not self.is_transposed,
             None if self.counts_host is None else self.counts_host[::-1].copy())
+
+
+def _identity(coords):
+    """The identity permutation of ``coords``' rows, as int64 on the same side."""
+    return cv._xp_of(coords).arange(coords.shape[0], dtype=np.int64)
 
 
 # -------------------------------------------------------------- shared steps
@@ -295,14 +326,13 @@ def _sorted_cuda(coords, reach, name, flags, assume_sorted):
     n = c.shape[0]
     keys = xp.empty(n, dtype=np.int64)
     cv.launch_pack(c, reach[0], reach[1], keys, flags[:2])
-    identity = xp.arange(n, dtype=np.int64)
     if assume_sorted:
-        return keys, identity, c  # the flags are checked with the final report
+        return keys, None, c  # order: the identity; the flags are checked with the final report
     range_flag, unsorted = (int(v) for v in to_host(flags[:2]))  # one small read
     if range_flag:
         cv.raise_range_error(c, reach[0], reach[1], name)
     if not unsorted:
-        return keys, identity, c
+        return keys, None, c
     return sort_rows_cuda(keys, c, flags[2:3])
 
 
@@ -324,11 +354,10 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     """The Map step with the kernels; arrays stay on the device, no Python loop over K."""
     B, C = check_block_sizes(source_block, query_block)
     ks, st, dil, ts, offsets, deltas = _layer(kernel_size, stride, dilation, tensor_stride)
-    xp = device_xp()
     in_coords, out_coords = to_device(in_coords), to_device(out_coords)
     _check_columns(in_coords, out_coords)
     K = len(offsets)
-    report = xp.zeros(REPORT_ROWS + 1 + K, dtype=np.int64)
+    report = filled(REPORT_ROWS + 1 + K, np.int64, 0)
     submanifold = out_coords is None and st == (1, 1, 1)
     source_reach, query_reach = _reaches(offsets, submanifold)
     skeys, in_order, in_sorted = _sorted_cuda(in_coords, source_reach, "in_coords",
@@ -336,7 +365,7 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     sides = [(REPORT_IN, in_coords, source_reach, "in_coords", assume_sorted)]
     if submanifold:  # one sorted array is both the source and the query array
         # default outputs are the sorted inputs themselves: out_order is the identity
-        qkeys, out_sorted, out_order = skeys, in_sorted, xp.arange(skeys.shape[0], dtype=np.int64)
+        qkeys, out_sorted, out_order = skeys, in_sorted, None
     else:
         if out_coords is None:  # strided layer, default outputs: sorted and unique already
             out_coords = output_coordinates(in_sorted, st, ts, backend="cuda")
@@ -431,7 +460,7 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
         m = build_kernel_map_reference(in_coords, **kw)
     else:
         m = build_kernel_map_cuda(in_coords, **kw)
-    for name in ("in_coords", "out_coords", "in_order", "table", "counts", "out_order"):
+    for name in ("in_coords", "out_coords", "_in_order", "table", "counts", "_out_order"):
         setattr(m, name, like(getattr(m, name), in_coords))
     m.stats = {key: like(v, in_coords) if hasattr(v, "shape") else v for key, v in m.stats.items()}
     return m
