@@ -23,10 +23,19 @@ buffer row of pair (k, i)
     reads and the scatter writes are as sequential as they can be).
 input table ``in_table`` (|P| x K), int32
     ``in_table[j, k]`` = buffer row that input j is copied to for offset k, or -1.
-    Row-major by input so that a gather thread reads its K entries contiguously.
 output table ``out_table`` (|Q| x K), int32
     ``out_table[i, k]`` = buffer row holding output i's partial result through
     offset k, or -1.
+memory layout of both tables
+    Offset-major: the device keeps ``(K, N)`` C-contiguous arrays and the plan
+    shows them as their transposes, ``(N, K)`` views (Fortran order). Every
+    kernel that touches them works on one offset at a time for neighbouring
+    points: :func:`tables_kernel` writes offset k's entries of consecutive
+    outputs, and the warps of the gather and scatter read entry k of
+    consecutive points. Offset-major, those are neighbouring addresses. In the
+    row-major (N, K) layout each 4-byte access fell in a sector of its own: on the
+    H100 the tables kernel took 604 us for 1M points that way
+    (``benchmarks/probe_timeline.py``).
 
 The submanifold centre: with stride 1 and ``Q = P``, offset (0, 0, 0) maps every
 point to itself, so its "gather" would copy the whole feature matrix in order.
@@ -53,26 +62,25 @@ outputs each), and the rank is split in two parts:
 
 1. :func:`chunk_counts_kernel`, one block per (offset k, chunk c), counts the
    pairs of k in chunk c: ``counts2d`` (K x n_chunks).
-2. One library scan of ``counts2d`` flattened row by row, K |Q| / CHUNK entries.
-   Its exclusive prefix ``E[k, c]`` counts the pairs of all chunks before (k, c),
-   offsets 0..k-1 included, so the rank of chunk (k, c)'s first pair within
-   offset k is ``E[k, c] - E[k, 0]``. (One flat scan instead of K row scans:
-   a 1-D scan is the cheap case for the library, and the subtraction is free.)
-3. :func:`tables_kernel`, one block per (k, c): each thread counts its run of 8
-   outputs, the block scans those counts, and each thread walks its run again,
-   giving its pairs consecutive ranks from there and writing both tables.
+2. :func:`tables_kernel`, one block per (k, c): the block first adds up
+   ``counts2d[k, :c]``, the pairs of offset k in the chunks before c, which is
+   the rank of chunk (k, c)'s first pair (at most |Q| / 1024 numbers, shared
+   among the block's threads). Then each thread counts its run of 8 outputs,
+   the block scans those counts, and each thread walks its run again, giving
+   its pairs consecutive ranks from there and writing both tables. (A library
+   scan of ``counts2d`` would do step 2's sum once for all blocks, but it costs
+   three launches and ~60 us of host time; the sums cost the GPU next to nothing.)
 
-The same example in chunks of 2 outputs: ``counts2d = [[1, 1], [2, 1]]``, flat
-inclusive scan ``[1, 2, 4, 5]``, ``E = [[0, 1], [2, 4]]``, chunk ranks
-``E - E[:, :1] = [[0, 1], [0, 2]]``: output 2 (chunk 1) is pair number 1 of k=0
-(row 0 + 1 = 1) and pair number 2 of k=1 (row 2 + 2 = 4), as above.
+The same example in chunks of 2 outputs: ``counts2d = [[1, 1], [2, 1]]``, so
+chunk 1's first pair has rank 1 in k=0 and rank 2 in k=1: output 2 (chunk 1) is
+pair number 1 of k=0 (row 0 + 1 = 1) and pair number 2 of k=1 (row 2 + 2 = 4),
+as above.
 
 GPU cost for K offsets, |Q| outputs and |P| inputs (int32 everywhere; K = 27,
 |Q| = |P| = 94k makes 4K|Q| = 10 MB):
 
 * ``chunk_counts_kernel`` reads the map once (4K|Q|) and writes 4 bytes per
   chunk (4K|Q| / 1024, 10 KB).
-* the scan reads and writes K|Q| / 1024 entries (2,500 here): a launch, no traffic.
 * the fill of ``in_table`` writes 4K|P|.
 * ``tables_kernel`` reads the map again (4K|Q|; a 10 MB map may still be in the
   50 MB L2) and the chunk counts, writes ``out_table`` (4K|Q|) and 4 bytes of
@@ -82,12 +90,9 @@ About 8K|Q| read and 8K|Q| + 4 bytes a pair written: ~40 MB, ~15 us at the
 H100's ~3 TB/s for 94k points, ~430 MB (~150 us) for 1M, against 107 / 854 us
 for the old 2-D scan alone; the old path also wrote ``table >= 0`` and the
 K x |Q| rank to memory and read them back (~10K|Q| more bytes). These are
-estimates from bytes moved, not yet measured on a GPU. One caveat they hide: a
-block writes ``out_table[i, k]`` for one k, a 4-byte entry in a row of K, so
-each store fills a piece of a 32-byte sector; blocks are numbered with k varying
-fastest so that the K blocks of one chunk write the same rows at about the same
-time and L2 can merge them. The only device->host copy is the K pair counts,
-which the host needs anyway to size the buffers and shape the GEMMs.
+estimates from bytes moved. The only device->host copy is the K pair counts,
+which the host needs anyway to size the buffers and shape the GEMMs; the base
+rows go the other way through pinned memory, without a sync.
 """
 from __future__ import annotations
 
@@ -97,7 +102,7 @@ import numpy as np
 from numba import cuda, int32
 
 from . import gemm_grouping as gg
-from .backend import device_xp, launch, resolve_backend, simulating, to_device, to_host
+from .backend import device_xp, filled, launch, resolve_backend, simulating, to_device, to_device_async, to_host
 
 
 @dataclass
@@ -208,15 +213,11 @@ def chunk_counts_reference(table, chunk: int) -> np.ndarray:
 
 
 def chunk_rank_reference(counts2d) -> np.ndarray:
-    """Rank of each chunk's first pair within its offset: ``E[k, c] - E[k, 0]``.
-
-    ``E`` is the exclusive scan of ``counts2d`` flattened row by row, as the
-    device computes it (one flat library scan instead of one per offset). It
-    equals ``rank[k, c * chunk]`` of the plain per-offset scan.
-    """
+    """Rank of each chunk's first pair within its offset: ``counts2d[k, :c].sum()``,
+    what each block of :func:`tables_kernel` adds up for itself. It equals
+    ``rank[k, c * chunk]`` of the plain per-offset scan."""
     counts2d = np.asarray(counts2d, dtype=np.int64)
-    exclusive = (np.cumsum(counts2d.ravel()) - counts2d.ravel()).reshape(counts2d.shape)
-    return exclusive - exclusive[:, :1]
+    return np.cumsum(counts2d, axis=1) - counts2d
 
 
 # -------------------------------------------------------------------- kernels
@@ -293,25 +294,20 @@ def chunk_counts_kernel(table, chunk, counts2d):
 
 
 @cuda.jit
-def tables_kernel(table, counts2d, inclusive, base, chunk, in_table, out_table):
+def tables_kernel(table, counts2d, base, chunk, in_table, out_table):
     """One block per (offset k, chunk c): the buffer row of every pair of k in chunk c.
 
-    ``inclusive`` is the flat inclusive scan of ``counts2d`` (K x n_chunks,
-    row-major), so ``E[k, c] = inclusive[k * n_chunks + c] - counts2d[k, c]`` is
-    the number of pairs in all chunks before (k, c), of every offset; subtracting
-    ``E[k, 0]`` (the pairs of offsets 0..k-1) leaves the pairs of offset k in its
-    chunks before c: the rank of chunk (k, c)'s first pair.
+    ``in_table`` and ``out_table`` are offset-major, (K, |P|) and (K, |Q|).
+
+    The rank of the chunk's first pair within offset k is the number of pairs of
+    k in chunks 0..c-1: ``counts2d[k, :c].sum()``, summed here by the block (each
+    thread a strided share, thread 0 adds the shares).
 
     Why each thread owns a *contiguous* run of outputs: ranks follow the output
     order, so when thread t's outputs all come after thread t - 1's, a thread's
     first rank is the chunk's first rank plus the pairs of the threads before it,
     one exclusive scan over the block. (With the usual strided ownership, output
     t + s * threads, the ranks of the threads would interleave.)
-
-    Blocks are numbered with k varying fastest, so the K blocks of one chunk run
-    at about the same time: their writes ``out_table[i, k]`` land in the same rows
-    of ``out_table`` (one 4-byte entry per row each) and can meet in L2 before
-    they go to memory.
     """
     K = table.shape[0]
     k = cuda.blockIdx.x % K
@@ -324,40 +320,42 @@ def tables_kernel(table, counts2d, inclusive, base, chunk, in_table, out_table):
         # directly). base[k] is the same for the whole block, so the whole block
         # leaves here together and nobody waits at a barrier below for it.
         for i in range(lo, hi):
-            out_table[i, k] = -1  # every entry is written: out_table needs no fill
+            out_table[k, i] = -1  # every entry is written: out_table needs no fill
         return
+    before = cuda.shared.array(MAX_THREADS, int32)  # shares of counts2d[k, :c]
     scan = cuda.shared.array(MAX_THREADS, int32)
+    share = 0
+    for cc in range(t, c, cuda.blockDim.x):
+        share += counts2d[k, cc]
+    before[t] = share
     scan[t] = _hits(table, k, lo, hi)
-    cuda.syncthreads()  # every thread's count is in before thread 0 scans them
+    cuda.syncthreads()  # every thread's numbers are in before thread 0 adds them up
     if t == 0:
-        # Exclusive scan of the per-thread counts, sequentially by thread 0.
-        # Why not a parallel (Hillis-Steele) scan: it takes log2(threads) steps
-        # of two barriers each (14 at 128 threads) against 128 additions here,
-        # and either is small next to the block's own memory reads (a thread's
-        # first load waits about half a microsecond). Under the simulator, where
-        # every CUDA thread is a Python thread, each barrier costs milliseconds
-        # per block: two barriers instead of nine (at 16 threads), with the same
-        # choice in chunk_counts_kernel, built a 167-point plan in 1.4 s instead
-        # of 2.4 s. Untimed on a GPU; a warp-shuffle scan is the next step if
-        # this ever shows up in a profile.
-        running = 0
+        # Sequential sums by thread 0. Why not a parallel (Hillis-Steele) scan: it
+        # takes log2(threads) steps of two barriers each (14 at 128 threads)
+        # against 128 additions here, and either is small next to the block's
+        # own memory reads (a thread's first load waits about half a
+        # microsecond). Under the simulator, where every CUDA thread is a Python
+        # thread, each barrier costs milliseconds per block.
+        first = 0
+        for u in range(cuda.blockDim.x):
+            first += before[u]
+        running = first
         for u in range(cuda.blockDim.x):
             n = scan[u]
             scan[u] = running
             running += n
     cuda.syncthreads()  # the scan is written before anyone reads its entry
-    f = k * counts2d.shape[1]  # flat index of chunk (k, 0)
-    rank = (inclusive[f + c] - counts2d[k, c]) - (inclusive[f] - counts2d[k, 0])  # E[k,c] - E[k,0]
-    rank += scan[t]  # the pairs of the threads before this one in the chunk
+    rank = scan[t]  # pairs of offset k before this thread's first output
     for i in range(lo, hi):  # the same outputs again, read a moment ago: likely still cached
         j = table[k, i]
         if j >= 0:
             row = first_row + rank
-            out_table[i, k] = row
-            in_table[j, k] = row  # j is distinct per i for a fixed k: no write race
+            out_table[k, i] = row
+            in_table[k, j] = row  # j is distinct per i for a fixed k: no write race
             rank += 1
         else:
-            out_table[i, k] = -1
+            out_table[k, i] = -1
 
 
 def chunk_counts_cuda(table, threads: int | None = None):
@@ -376,28 +374,25 @@ def chunk_counts_cuda(table, threads: int | None = None):
 def build_plan_cuda(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
                     solo_rows=gg.DEFAULT_SOLO_ROWS, direct_centre=True,
                     threads: int | None = None) -> GmasPlan:
-    """Device version: count per chunk, a small library scan, one fill, the tables.
+    """Device version: count per chunk, one fill, the tables (two kernels, no sync).
 
     ``threads``: threads per block, so chunks of ``threads * ITEMS_PER_THREAD``
     outputs (default :func:`metadata_threads`; the tests vary it).
     """
     counts, order, groups, base, rows, centre, policy = _layout(
         kernel_map, sort, max_padding, solo_rows, direct_centre)
-    xp = device_xp()
     threads = _check_threads(threads or metadata_threads())
     table = to_device(kernel_map.table)
     K, n_out = table.shape
     n_in = len(kernel_map.in_coords)
     counts2d = chunk_counts_cuda(table, threads)
-    # K * |Q| / CHUNK entries: about 2,500 for K = 27 and |Q| = 94k, where the scan
-    # of the whole table had 2.5 million. int32 like the tables themselves.
-    inclusive = xp.cumsum(counts2d.ravel(), dtype=np.int32)
-    in_table = xp.full((n_in, K), -1, dtype=np.int32)
-    out_table = xp.empty((n_out, K), dtype=np.int32)
+    in_table = filled((K, n_in), np.int32, -1)  # offset-major; entries without a pair stay -1
+    out_table = device_xp().empty((K, n_out), dtype=np.int32)  # the kernel writes every entry
     n_blocks = counts2d.size
-    launch(tables_kernel, n_blocks, table, counts2d, inclusive, to_device(base.astype(np.int32)),
+    launch(tables_kernel, n_blocks, table, counts2d, to_device_async(base.astype(np.int32)),
            chunk_size(threads), in_table, out_table, threads=threads, blocks=n_blocks)
-    return GmasPlan(counts, order, groups, base, rows, centre, in_table, out_table, policy)
+    # (N, K) views of the offset-major arrays: the shape the plan documents.
+    return GmasPlan(counts, order, groups, base, rows, centre, in_table.T, out_table.T, policy)
 
 
 def build_plan(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
