@@ -31,7 +31,7 @@ import numpy as np
 from numba import cuda, float32
 
 from .backend import device_xp, launch, resolve_backend, to_device
-from .gather import check_tile
+from .gather import check_tile, point_and_tile, slab_threads
 
 
 # ------------------------------------------------------------------ reference
@@ -60,23 +60,31 @@ def scatter_kernel(tile: int):
 
     @cuda.jit
     def scatter(obuf, out_table, has_init, out):
-        t = cuda.grid(1)
-        tiles = out.shape[1] // tile
-        if t < out.shape[0] * tiles:
-            q = t // tiles
-            c0 = (t - q * tiles) * tile
+        """``out_table`` is offset-major here, (K, |Q|) (see :mod:`numba_sc.metadata`)."""
+        q, j = point_and_tile(cuda.grid(1), out.shape[1] // tile)  # as in the gather
+        if q < out.shape[0]:
+            c0 = j * tile
             acc = cuda.local.array(tile, float32)  # fp32 accumulator, fp16 data or not
             for c in range(tile):
                 acc[c] = float32(0.0)
-                if has_init:  # ``out`` already holds the centre product: read, add, write
-                    acc[c] = out[q, c0 + c]
-            for k in range(out_table.shape[1]):
-                row = out_table[q, k]  # shared by all tiles of q
+            found = False
+            for k in range(out_table.shape[0]):
+                row = out_table[k, q]  # shared by all tiles of q
                 if row >= 0:
+                    if not found and has_init:
+                        # ``out`` already holds the centre product: start from it
+                        # (the same order of additions as the reference).
+                        for c in range(tile):
+                            acc[c] = out[q, c0 + c]
+                    found = True
                     for c in range(tile):
                         acc[c] += obuf[row, c0 + c]
-            for c in range(tile):
-                out[q, c0 + c] = acc[c]  # the only write of this tile: no atomics
+            # An output without pairs keeps its centre product untouched: no read,
+            # no write (most of a sparse cloud's points); without a centre product
+            # it gets its zeros.
+            if found or not has_init:
+                for c in range(tile):
+                    out[q, c0 + c] = acc[c]  # the only write of this tile: no atomics
 
     return scatter
 
@@ -88,14 +96,15 @@ def scatter_cuda(obuf, out_table, init=None, n_out=None, channels=None, dtype=No
     (summed into in place), saving a separate addition.
     """
     xp = device_xp()
-    ot = to_device(out_table)
+    ot = xp.asarray(out_table)  # (not to_device: it would copy an (N, K) view to row-major)
     n_out = ot.shape[0] if n_out is None else n_out
     channels = obuf.shape[1] if channels is None else channels
     if init is not None:
         out = to_device(init)
     else:
         out = xp.empty((n_out, channels), dtype=dtype or obuf.dtype)
-    launch(scatter_kernel(tile), n_out * (channels // tile), to_device(obuf), ot,
+    # the kernel wants the offset-major (K, |Q|) table: for a plan's (N, K) view, .T
+    launch(scatter_kernel(tile), slab_threads(n_out, channels // tile), to_device(obuf), to_device(ot.T),
            init is not None, out)
     return out
 
