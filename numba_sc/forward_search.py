@@ -101,6 +101,25 @@ def forward_search_reference(skeys, qkeys, deltas, bounds, B):
     return table, comparisons
 
 
+def mirror_reference(half, K):
+    """The full (K, |Q|) table of a submanifold map from its searched rows ``half``.
+
+    When the offsets come in pairs, ``offsets[K-1-k] == -offsets[k]``, and the
+    queries are the inputs themselves (stride 1), every pair is found twice:
+    ``q_i + delta_k = p_j`` means ``q_j + delta_{K-1-k} = p_i``. So only the first
+    ``h = ceil(K / 2)`` segments are searched (the centre included, for odd K) and
+    row ``K-1-k`` is row ``k`` read backwards: ``table[K-1-k, table[k, i]] = i``.
+    The kernel writes both entries on each hit; this is its NumPy twin.
+    """
+    h, Q = half.shape
+    table = np.full((K, Q), -1, np.int32)
+    table[:h] = half
+    for k in range(K - h):  # rows K-1, K-2, ..., h mirror rows 0, 1, ..., K-1-h
+        i = np.flatnonzero(half[k] >= 0)
+        table[K - 1 - k, half[k, i]] = i
+    return table
+
+
 # -------------------------------------------------------------------- kernels
 @lru_cache(maxsize=None)
 def forward_search_kernel(B: int):
@@ -118,6 +137,10 @@ def forward_search_kernel(B: int):
         q0 = rows[r, 2]
         q1 = rows[r, 3]
         first = np.int64(j) * B  # global sorted index of the source block's first key
+        # Only segments 0..h-1 are searched (h = deltas.shape[0]); with a symmetric
+        # submanifold kernel the rows h..K-1 of the table are the mirrors of rows
+        # K-1-h..0 (see mirror_reference). Without one, h = K and nothing is mirrored.
+        mirror = table.shape[0] - 1 - k
         n = min(B, skeys.shape[0] - first)  # the last source block may be short
         source = cuda.shared.array(B, int64)  # B is a compile-time constant here
         hits = cuda.shared.array(1, int32)
@@ -141,6 +164,8 @@ def forward_search_kernel(B: int):
             # the test only guards shared memory against a corrupted rows array
             if lo < n and source[lo] == q:
                 table[k, i] = first + lo
+                if mirror >= deltas.shape[0]:  # row `mirror` is not searched: write its pair
+                    table[mirror, first + lo] = i
                 mine += 1
         # Pairs per offset, counted where they are found: one shared-memory atomic
         # per thread, one global atomic per block, instead of a reduction over the
@@ -150,12 +175,18 @@ def forward_search_kernel(B: int):
         cuda.syncthreads()
         if cuda.threadIdx.x == 0 and hits[0] > 0:
             cuda.atomic.add(counts, k, hits[0])
+            if mirror >= deltas.shape[0]:
+                cuda.atomic.add(counts, mirror, hits[0])
 
     return forward_search
 
 
-def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=None):
+def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=None, n_offsets=None):
     """Launch the forward search over ``grid`` thread blocks; returns ``(table, counts)``.
+
+    ``n_offsets``: rows of the table, K. Default: one per delta. When it is larger
+    than ``len(deltas)`` only the first segments are searched and the others are
+    written as their mirrors (symmetric submanifold layers, :func:`mirror_reference`).
 
     ``grid`` is the number of balanced rows when it is known on the host (the
     simulator, where reading it is free) or the upper bound from
@@ -163,7 +194,7 @@ def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=N
     docstring). ``counts`` (int64 (K,) zeros on the device, made here when not
     given) receives the pairs per offset; the table is int32 (K, |Q|).
     """
-    K = deltas.shape[0]
+    K = deltas.shape[0] if n_offsets is None else int(n_offsets)
     table = filled((K, qkeys.shape[0]), np.int32, -1)  # misses stay -1: only hits are written
     if counts is None:
         counts = filled(K, np.int64, 0)

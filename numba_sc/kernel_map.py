@@ -68,7 +68,7 @@ from . import conventions as cv
 from .backend import device_xp, filled, like, resolve_backend, simulating, to_device, to_host
 from .backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backward_search_cuda, backward_search_reference, check_block_sizes,
                               max_balanced_blocks, num_source_blocks, split_query_blocks_reference)
-from .forward_search import forward_search_cuda, forward_search_reference
+from .forward_search import forward_search_cuda, forward_search_reference, mirror_reference
 from .output_coords import output_coordinates
 from .sorting import sort_rows_cuda, sort_rows_reference
 
@@ -235,6 +235,23 @@ def _unsorted_error(name):
         "on (batch, x, y, z)); pass assume_sorted=False and the Map step sorts it")
 
 
+def searched_segments(offsets, submanifold, symmetric=True) -> int:
+    """How many query segments the searches visit: ``h = ceil(K / 2)`` or all K.
+
+    A submanifold layer (stride 1, the inputs are the queries) whose offsets come
+    in pairs, ``offsets[K-1-k] == -offsets[k]`` (every odd kernel, with any
+    dilation), finds each pair twice: ``q_i + delta_k = p_j`` exactly when
+    ``q_j + delta_{K-1-k} = p_i``. Searching the first h segments and writing each
+    hit twice (:func:`numba_sc.forward_search.mirror_reference`) halves both
+    searches. This is not in the Minuet paper (spconv does the same for its
+    hash table); ``symmetric=False`` runs the paper's algorithm over all K.
+    """
+    K = len(offsets)
+    if symmetric and submanifold and np.array_equal(offsets[::-1], -offsets):
+        return (K + 1) // 2
+    return K
+
+
 def _reaches(offsets, submanifold):
     """(source reach, query reach): queries ``q + delta`` must stay packable, so query
     keys are packed with the kernel's reach; the source only with its own range. For
@@ -257,7 +274,7 @@ def _sorted_reference(coords, reach, name, assume_sorted):
 
 def build_kernel_map_reference(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
                                out_coords=None, source_block=DEFAULT_SOURCE_BLOCK, query_block=DEFAULT_QUERY_BLOCK,
-                               assume_sorted=False) -> KernelMap:
+                               assume_sorted=False, symmetric=True) -> KernelMap:
     """The Map step in vectorized NumPy, with the comparisons of both searches counted."""
     B, C = check_block_sizes(source_block, query_block)
     ks, st, dil, ts, offsets, deltas = _layer(kernel_size, stride, dilation, tensor_stride)
@@ -275,25 +292,28 @@ def build_kernel_map_reference(in_coords, kernel_size=3, stride=1, dilation=1, t
     else:
         qkeys, out_order, out_sorted = _sorted_reference(out_coords, query_reach, "out_coords", False)
 
-    bounds, back_cmp = backward_search_reference(skeys, qkeys, deltas, B)  # stage 5
+    K, P, Q = len(offsets), len(skeys), len(qkeys)
+    h = searched_segments(offsets, submanifold, symmetric)  # segments searched: K or ceil(K/2)
+    bounds, back_cmp = backward_search_reference(skeys, qkeys, deltas[:h], B)  # stage 5
     rows = split_query_blocks_reference(bounds, C)
-    table, fwd_cmp = forward_search_reference(skeys, qkeys, deltas, bounds, B)  # stage 6
+    half, fwd_cmp = forward_search_reference(skeys, qkeys, deltas[:h], bounds, B)  # stage 6
+    table = mirror_reference(half, K)  # the rows not searched, read off their mirrors
     counts = (table >= 0).sum(axis=1).astype(np.int64)
 
-    K, P, Q = len(offsets), len(skeys), len(qkeys)
     sizes = np.diff(bounds, axis=1)
     queries = K * Q
     stats = {
         "backend": "reference", "source_block": B, "query_block": C,
         "n_in": P, "n_out": Q, "n_offsets": K, "queries": queries,
+        "segments_searched": h, "queries_searched": h * Q,
         "pairs": int(counts.sum()), "hit_rate": float(counts.sum()) / queries,
         "source_blocks": num_source_blocks(P, B),
-        "query_blocks_before_balancing": K * num_source_blocks(P, B),
+        "query_blocks_before_balancing": h * num_source_blocks(P, B),
         "nonempty_query_blocks": int(np.count_nonzero(sizes)),
         "query_blocks_after_balancing": len(rows),
         "largest_query_block_before": int(sizes.max()),
         "largest_query_block_after": int((rows[:, 3] - rows[:, 2]).max()) if len(rows) else 0,
-        "forward_grid_upper_bound": max_balanced_blocks(K, P, Q, B, C),
+        "forward_grid_upper_bound": max_balanced_blocks(h, P, Q, B, C),
         "backward_comparisons": int(back_cmp), "forward_comparisons": int(fwd_cmp),
         "comparisons_per_query": (back_cmp + fwd_cmp) / queries,
         # what searching every query in the whole source array would cost
@@ -350,7 +370,7 @@ def _check_report(report, sides):
 
 def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
                           out_coords=None, source_block=DEFAULT_SOURCE_BLOCK, query_block=DEFAULT_QUERY_BLOCK,
-                          assume_sorted=False) -> KernelMap:
+                          assume_sorted=False, symmetric=True) -> KernelMap:
     """The Map step with the kernels; arrays stay on the device, no Python loop over K."""
     B, C = check_block_sizes(source_block, query_block)
     ks, st, dil, ts, offsets, deltas = _layer(kernel_size, stride, dilation, tensor_stride)
@@ -375,10 +395,11 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
         qkeys, out_order, out_sorted = _sorted_cuda(out_coords, query_reach, name,
                                                     report[REPORT_OUT:REPORT_OUT + 3], sorted_outputs)
         sides.append((REPORT_OUT, out_coords, query_reach, name, sorted_outputs))
-    d_deltas = _device_deltas(ks, dil, ts)  # int64 (K,), already on the device
+    h = searched_segments(offsets, submanifold, symmetric)  # segments searched: K or ceil(K/2)
+    d_deltas = _device_deltas(ks, dil, ts)[:h]  # int64, already on the device
 
     P, Q = int(skeys.shape[0]), int(qkeys.shape[0])
-    upper = max_balanced_blocks(K, P, Q, B, C)
+    upper = max_balanced_blocks(h, P, Q, B, C)
     n_rows = report[REPORT_ROWS:REPORT_ROWS + 1]  # the backward kernel counts the rows here
     bounds, rows, _ = backward_search_cuda(skeys, qkeys, d_deltas, B, C, upper, n_rows)  # stage 5
     # On a GPU launch the upper bound and let surplus blocks exit (no sync, see
@@ -386,7 +407,7 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     # read, and every launched block costs a crowd of Python threads.
     grid = int(n_rows[0]) if simulating() else upper
     table, _ = forward_search_cuda(skeys, qkeys, d_deltas, rows, n_rows, B, C, grid,
-                                   report[REPORT_ROWS + 1:])  # stage 6
+                                   report[REPORT_ROWS + 1:], n_offsets=K)  # stage 6, mirrors included
     rep = to_host(report)  # the one read at the end: flags, balanced blocks, counts
     _check_report(rep, sides)
     counts_host = rep[REPORT_ROWS + 1:].copy()
@@ -394,9 +415,10 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     stats = {
         "backend": "cuda", "source_block": B, "query_block": C,
         "n_in": P, "n_out": Q, "n_offsets": K, "queries": K * Q,
+        "segments_searched": h, "queries_searched": h * Q,
         "pairs": pairs, "hit_rate": pairs / (K * Q),
         "source_blocks": num_source_blocks(P, B),
-        "query_blocks_before_balancing": K * num_source_blocks(P, B),
+        "query_blocks_before_balancing": h * num_source_blocks(P, B),
         "query_blocks_after_balancing": int(rep[REPORT_ROWS]),
         "forward_grid_upper_bound": upper, "forward_grid_launched": grid,
     }
@@ -414,7 +436,7 @@ def _finish(in_sorted, out_sorted, in_order, offsets, table, counts, stats, ks, 
 # ----------------------------------------------------------------------- API
 def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
                      out_coords=None, backend=None, source_block=DEFAULT_SOURCE_BLOCK, query_block=DEFAULT_QUERY_BLOCK,
-                     assume_sorted=False) -> KernelMap:
+                     assume_sorted=False, symmetric=True) -> KernelMap:
     """Build the kernel map of a sparse convolution (Minuet's Map step).
 
     Parameters
@@ -440,6 +462,12 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
         :class:`numba_sc.SparseTensor`'s coordinates are). The kernel path then
         skips one device->host read; a wrong promise still raises, when the
         map's final report is read.
+    symmetric : bool
+        For a submanifold layer whose offsets come in ± pairs (any odd kernel),
+        search only the first ``ceil(K / 2)`` segments and write each pair found
+        twice, once for ``delta`` and once, mirrored, for ``-delta``
+        (:func:`searched_segments`). The table is the same; the searches do half
+        the work. ``False`` searches all K segments, as in the paper.
 
     Returns
     -------
@@ -455,7 +483,7 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
     """
     kw = dict(kernel_size=kernel_size, stride=stride, dilation=dilation, tensor_stride=tensor_stride,
               out_coords=out_coords, source_block=source_block, query_block=query_block,
-              assume_sorted=assume_sorted)
+              assume_sorted=assume_sorted, symmetric=symmetric)
     if resolve_backend(backend) == "reference":
         m = build_kernel_map_reference(in_coords, **kw)
     else:

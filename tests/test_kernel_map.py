@@ -449,3 +449,44 @@ def test_host_counts_read_once_and_transposed(rng):
     assert np.array_equal(m.host_counts(), m.counts)
     t = m.transposed()
     assert np.array_equal(t.host_counts(), m.host_counts()[::-1])
+
+
+# ------------------------------------------------ symmetric submanifold search
+def test_mirror_reference_worked_example():
+    """Rows not searched are read off their mirrors: table[K-1-k, table[k, i]] = i."""
+    from numba_sc.forward_search import mirror_reference
+
+    # one axis, P = Q = [0, 1, 3], offsets [-1, 0, 1]: only rows 0 (offset -1) and 1 searched
+    half = np.array([[-1, 0, -1], [0, 1, 2]], np.int32)
+    np.testing.assert_array_equal(mirror_reference(half, 3), [[-1, 0, -1], [0, 1, 2], [1, -1, -1]])
+    np.testing.assert_array_equal(mirror_reference(half, 2), half)  # h == K: nothing to mirror
+
+
+@pytest.mark.parametrize("kernel_size, dilation, searched", [
+    (3, 1, 14), (5, 1, 63), ((1, 3, 1), 1, 2), (3, 2, 14), (1, 1, 1), (2, 1, 8), ((2, 3, 3), 1, 18)])
+def test_symmetric_search_equals_full_search(rng, kernel_size, dilation, searched):
+    """ceil(K/2) segments searched for odd kernels (all K for even ones), same table as
+    the paper's full search and the oracle, on both backends, many blocks and splits."""
+    c = np.unique(rng.integers(0, 10, size=(250, 3)).astype(np.int32), axis=0)
+    _, _, _, want = oracle_map(c, kernel_size, dilation=dilation)
+    kw = dict(dilation=dilation, source_block=32, query_block=16)
+    full = ns.build_kernel_map(c, kernel_size, backend="reference", symmetric=False, **kw)
+    assert full.stats["segments_searched"] == len(full.offsets)
+    for backend in ("reference", "cuda"):
+        m = ns.build_kernel_map(c, kernel_size, backend=backend, **kw)
+        assert m.stats["segments_searched"] == searched
+        np.testing.assert_array_equal(to_host(m.table), want)
+        np.testing.assert_array_equal(to_host(m.counts), full.counts)
+    half = ns.build_kernel_map(c, kernel_size, backend="reference", **kw)
+    assert half.stats["queries_searched"] == searched * len(c)
+    if searched < len(full.offsets):  # fewer queries searched, fewer comparisons made
+        assert half.stats["forward_comparisons"] < full.stats["forward_comparisons"]
+
+
+def test_strided_and_given_outputs_search_every_segment(rng):
+    """The mirror needs Q = P: a strided layer, or outputs the caller chose, search all K."""
+    c = np.unique(rng.integers(0, 10, size=(200, 3)).astype(np.int32), axis=0)
+    assert ns.build_kernel_map(c, 3, stride=2, backend="reference").stats["segments_searched"] == 27
+    m = ns.build_kernel_map(c, 3, out_coords=c[::2], backend="cuda", source_block=32, query_block=16)
+    assert m.stats["segments_searched"] == 27
+    np.testing.assert_array_equal(to_host(m.table), oracle_map(c, 3, out_coords=c[::2])[3])
