@@ -179,7 +179,9 @@ def forward_variants(ns, clouds):
                     counts.fill(0)
                     a, b = cupy.cuda.Event(), cupy.cuda.Event()
                     a.record()
-                    be.launch(kern, upper, keys, keys, d, rows, n_rows, table, counts, threads=threads, blocks=upper)
+                    cc = cupy.zeros((27, -(-P // 1024)), cupy.int32)
+                    be.launch(kern, upper, keys, keys, d, rows, n_rows, table, counts, 1024, cc,
+                              threads=threads, blocks=upper)
                     b.record()
                     b.synchronize()
                     if rep >= 5:

@@ -258,16 +258,22 @@ class FastLauncher:
     """
 
     def __init__(self):
-        self._compiled = {}  # (dispatcher, key) -> (cuda.core kernel, argument types)
+        self._compiled = {}  # (dispatcher, key) -> (cuda.core kernel, one packer per argument)
         self._streams = {}
+        self._configs = {}  # (grid, threads) -> LaunchConfig, made once
+        self._array_types = set()  # CuPy's ndarray class, once seen
 
-    @staticmethod
-    def _key(args):
+    def _key(self, args):
+        """A cheap signature of the arguments: what picks the compiled overload."""
         key = []
         for a in args:
             t = type(a)
-            if t.__module__.startswith("cupy"):
-                key.append((a.dtype.char, a.ndim, a.flags.c_contiguous))
+            if t in self._array_types or t.__module__.startswith("cupy"):
+                self._array_types.add(t)
+                contiguous = getattr(a, "_c_contiguous", None)  # CuPy's own flag: no Flags object
+                if contiguous is None:
+                    contiguous = a.flags.c_contiguous
+                key.append((a.dtype.char, a.ndim, contiguous))
             elif t in (int, float, bool) or isinstance(a, np.generic):
                 key.append(t)
             else:
@@ -275,48 +281,81 @@ class FastLauncher:
         return tuple(key)
 
     def learn(self, kernel, args):
-        """After an ordinary launch: remember the overload that just ran."""
+        """After an ordinary launch: remember the overload that just ran, and how to
+        pass each argument (``None``: an array struct; else a ctypes constructor)."""
         key = self._key(args)
         if key is None or (kernel, key) in self._compiled:
             return
         try:
+            from numba.cuda import types as nbtypes
+
             types = tuple(kernel.typeof_pyval(a) for a in args)
             compiled = kernel.overloads[types]
             core_kernel = compiled._codelibrary.get_cufunc().kernel
+            packers = []
+            for ty in compiled.argument_types:
+                if isinstance(ty, nbtypes.Array):
+                    packers.append(None)
+                elif isinstance(ty, nbtypes.Integer):
+                    packers.append(getattr(ctypes, f"c_{ty}"))
+                elif ty == nbtypes.float64:
+                    packers.append(ctypes.c_double)
+                elif ty == nbtypes.float32:
+                    packers.append(ctypes.c_float)
+                elif ty == nbtypes.boolean:
+                    packers.append(bool)
+                else:
+                    return  # an argument kind this class does not pack: slow path
         except Exception:  # an internal moved in another numba-cuda: stay on the slow path
             return
-        self._compiled[(kernel, key)] = (core_kernel, compiled.argument_types)
+        self._compiled[(kernel, key)] = (core_kernel, tuple(packers))
+
+    def _config(self, grid, threads):
+        from cuda.core import LaunchConfig
+
+        if len(self._configs) > 4096:  # grids follow the data sizes: keep the cache bounded
+            self._configs.clear()
+        config = self._configs[(grid, threads)] = LaunchConfig(grid=grid, block=threads)
+        return config
+
+    def _stream(self, stream):
+        from numba.cuda.cudadrv import driver
+
+        core = self._streams[stream] = driver._to_core_stream(stream)
+        return core
 
     def launch(self, kernel, grid, threads, stream, args) -> bool:
         key = self._key(args)
         entry = self._compiled.get((kernel, key)) if key is not None else None
         if entry is None:
             return False
-        from cuda.core import LaunchConfig
-        from cuda.core import launch as core_launch
-        from numba.cuda import types as nbtypes
-
-        core_kernel, argtypes = entry
+        core_kernel, packers = entry
         flat = []
-        for ty, a in zip(argtypes, args):
-            if isinstance(ty, nbtypes.Array):  # the array struct, field by field
-                flat += [0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides]
-            elif isinstance(ty, nbtypes.Integer):
-                flat.append(getattr(ctypes, f"c_{ty}")(a))
-            elif ty == nbtypes.float64:
-                flat.append(ctypes.c_double(a))
-            elif ty == nbtypes.float32:
-                flat.append(ctypes.c_float(a))
-            elif ty == nbtypes.boolean:
-                flat.append(bool(a))
+        for pack, a in zip(packers, args):
+            if pack is None:  # the array struct, field by field
+                flat += (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
             else:
-                return False
-        if stream not in self._streams:
-            from numba.cuda.cudadrv import driver
-
-            self._streams[stream] = driver._to_core_stream(stream)
-        core_launch(self._streams[stream], LaunchConfig(grid=grid, block=threads), core_kernel, *flat)
+                flat.append(pack(a))
+        core_stream = self._streams.get(stream)
+        if core_stream is None:
+            core_stream = self._stream(stream)
+        config = self._configs.get((grid, threads))
+        if config is None:
+            config = self._config(grid, threads)
+        _core_launch()(core_stream, config, core_kernel, *flat)
         return True
+
+
+_CORE_LAUNCH = []
+
+
+def _core_launch():
+    """``cuda.core.launch``, imported on first use (the simulator never needs it)."""
+    if not _CORE_LAUNCH:
+        from cuda.core import launch as core_launch
+
+        _CORE_LAUNCH.append(core_launch)
+    return _CORE_LAUNCH[0]
 
 
 _FAST = FastLauncher()

@@ -12,7 +12,10 @@ block
    binary-search it in shared memory: about ``log2 B`` steps instead of
    ``log2 |P|``, and every step an on-chip read;
 3. writes ``table[k, i] = j * B + position`` on a hit. The table starts as -1, so
-   misses write nothing; the hits are counted per offset on the way.
+   misses write nothing; the hits are counted on the way, per offset (the GEMM
+   sizes) and per offset and chunk of outputs (the metadata stage's ranks).
+   For a symmetric submanifold kernel only half the segments are searched and
+   each hit is also written at its mirror (:func:`mirror_reference`).
 
 A thread block reads its balanced block ``(k, j, query start, query end)``
 from the rows the backward search wrote.
@@ -126,9 +129,10 @@ def forward_search_kernel(B: int):
     """The forward-search kernel for source blocks of ``B`` keys (compiled once per B)."""
 
     @cuda.jit
-    def forward_search(skeys, qkeys, deltas, rows, n_rows, table, counts):
+    def forward_search(skeys, qkeys, deltas, rows, n_rows, table, counts, chunk, chunk_counts):
         """One thread block per balanced query block ``rows[blockIdx]``; also counts
-        the pairs per offset."""
+        the pairs per offset, and per offset and chunk of ``chunk`` outputs for the
+        metadata stage (``chunk_counts[k, i // chunk]``, see :mod:`numba_sc.metadata`)."""
         r = cuda.blockIdx.x
         if r >= n_rows[0]:
             return  # surplus block of the upper-bound launch; the whole block leaves together
@@ -164,8 +168,10 @@ def forward_search_kernel(B: int):
             # the test only guards shared memory against a corrupted rows array
             if lo < n and source[lo] == q:
                 table[k, i] = first + lo
+                cuda.atomic.add(chunk_counts, (k, i // chunk), 1)
                 if mirror >= deltas.shape[0]:  # row `mirror` is not searched: write its pair
                     table[mirror, first + lo] = i
+                    cuda.atomic.add(chunk_counts, (mirror, (first + lo) // chunk), 1)
                 mine += 1
         # Pairs per offset, counted where they are found: one shared-memory atomic
         # per thread, one global atomic per block, instead of a reduction over the
@@ -181,7 +187,8 @@ def forward_search_kernel(B: int):
     return forward_search
 
 
-def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=None, n_offsets=None):
+def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=None, n_offsets=None,
+                        chunk=None):
     """Launch the forward search over ``grid`` thread blocks; returns ``(table, counts)``.
 
     ``n_offsets``: rows of the table, K. Default: one per delta. When it is larger
@@ -193,12 +200,24 @@ def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=N
     :func:`numba_sc.backward_search.max_balanced_blocks` (the GPU, see the module
     docstring). ``counts`` (int64 (K,) zeros on the device, made here when not
     given) receives the pairs per offset; the table is int32 (K, |Q|).
+
+    ``chunk``: outputs per metadata chunk (default
+    :func:`numba_sc.metadata.chunk_size`). Returns ``(table, counts, chunk_counts)``
+    with ``chunk_counts`` int32 (K, ceil(|Q| / chunk)): the pairs of offset k among
+    outputs ``c * chunk .. (c + 1) * chunk - 1``, what
+    :func:`numba_sc.metadata.chunk_counts_kernel` would count by reading the
+    whole table again. Counting where the pairs are found saves that pass.
     """
     K = deltas.shape[0] if n_offsets is None else int(n_offsets)
     table = filled((K, qkeys.shape[0]), np.int32, -1)  # misses stay -1: only hits are written
     if counts is None:
         counts = filled(K, np.int64, 0)
+    if chunk is None:
+        from .metadata import chunk_size
+
+        chunk = chunk_size()
+    chunk_counts = filled((K, -(-int(qkeys.shape[0]) // chunk)), np.int32, 0)
     if grid > 0:
         launch(forward_search_kernel(int(B)), int(grid), skeys, qkeys, deltas, rows, n_rows, table,
-               counts, threads=forward_threads(C), blocks=int(grid))
-    return table, counts
+               counts, int(chunk), chunk_counts, threads=forward_threads(C), blocks=int(grid))
+    return table, counts, chunk_counts

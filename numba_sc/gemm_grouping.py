@@ -181,13 +181,15 @@ _COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F: fp32 accumulation for both dtypes (no T
 _GEMM_DEFAULT = -1  # CUBLAS_GEMM_DEFAULT
 _ONE = np.ones(1, np.float32)  # alpha and beta live on the host (cuBLAS's default pointer mode)
 _ZERO = np.zeros(1, np.float32)
+_ONE_PTR, _ZERO_PTR = _ONE.ctypes.data, _ZERO.ctypes.data  # (.ctypes builds an object per call)
 
 
 def _cublas():
+    """CuPy's cuBLAS module and this thread's handle for the current device."""
     import cupy
     from cupy_backends.cuda.libs import cublas
 
-    return cublas, cupy.cuda.Device().cublas_handle
+    return cublas, cupy.cuda.device.get_cublas_handle()
 
 
 def centre_product_cuda(features, weight, centre):
@@ -202,8 +204,8 @@ def centre_product_cuda(features, weight, centre):
     out = cupy.empty((n, c_out), dtype=features.dtype)
     t = _CUDA_TYPE[np.dtype(features.dtype)]
     w = weight.data.ptr + centre * c_in * c_out * weight.itemsize
-    cublas.gemmEx(handle, 0, 0, c_out, n, c_in, _ONE.ctypes.data, w, t, c_out,
-                  features.data.ptr, t, c_in, _ZERO.ctypes.data, out.data.ptr, t, c_out,
+    cublas.gemmEx(handle, 0, 0, c_out, n, c_in, _ONE_PTR, w, t, c_out,
+                  features.data.ptr, t, c_in, _ZERO_PTR, out.data.ptr, t, c_out,
                   _COMPUTE_32F, _GEMM_DEFAULT)
     return out
 
@@ -255,10 +257,10 @@ def grouped_gemm_cuda(in_buf, weight, groups, out_buf):
             s.wait_event(ready)
         with s:  # CuPy's cuBLAS wrappers bind the handle to the current stream
             cublas.gemmStridedBatchedEx(
-                handle, 0, 0, c_out, g.rows, c_in, _ONE.ctypes.data,
+                handle, 0, 0, c_out, g.rows, c_in, _ONE_PTR,
                 w_sorted.data.ptr + pos * c_in * c_out * item, t, c_out, c_in * c_out,
                 in_buf.data.ptr + g.start * c_in * item, t, c_in, g.rows * c_in,
-                _ZERO.ctypes.data, out_buf.data.ptr + g.start * c_out * item, t, c_out, g.rows * c_out,
+                _ZERO_PTR, out_buf.data.ptr + g.start * c_out * item, t, c_out, g.rows * c_out,
                 len(g.members), _COMPUTE_32F, _GEMM_DEFAULT)
         pos += len(g.members)
     for s in pool[:len(groups)]:

@@ -36,6 +36,11 @@ default outputs come out of :func:`numba_sc.output_coordinates` already sorted.
 For stride 1 and no given outputs, the one sorted input array is both the source
 and the query array (Section 5.1.1, fourth reason): ``Q = P``.
 
+Beyond the paper: a submanifold layer with a symmetric kernel (any odd size)
+finds every pair twice, once through ``delta`` and once through ``-delta``, so
+only ``ceil(K / 2)`` segments are searched and each hit is written twice
+(:func:`searched_segments`; ``symmetric=False`` gives the paper's full search).
+
 Transposed convolution (upsampling): :meth:`KernelMap.transposed` swaps inputs
 and outputs of the strided map it inverts. Row ``k'`` of the transposed map
 belongs to offset ``-offsets[K-1-k']``, so it holds the pairs of row ``K-1-k'``
@@ -69,6 +74,7 @@ from .backend import device_xp, filled, like, resolve_backend, simulating, to_de
 from .backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backward_search_cuda, backward_search_reference, check_block_sizes,
                               max_balanced_blocks, num_source_blocks, split_query_blocks_reference)
 from .forward_search import forward_search_cuda, forward_search_reference, mirror_reference
+from .metadata import chunk_size
 from .output_coords import output_coordinates
 from .sorting import sort_rows_cuda, sort_rows_reference
 
@@ -96,6 +102,11 @@ class KernelMap:
     _out_order: object = None  # int64 (|Q|,), or None for the identity (see out_order)
     is_transposed: bool = False  # True for the map made by transposed()
     counts_host: np.ndarray = field(default=None, repr=False)  # host copy of counts, once read
+    # Device int32 (K, ceil(|Q| / chunk)): pairs per offset and chunk of outputs, counted
+    # by the forward search for the metadata stage (None when not known: reference maps,
+    # transposed maps). The chunk is numba_sc.metadata.chunk_size() of the machine.
+    chunk_counts: object = field(default=None, repr=False)
+    chunk: int = field(default=None, repr=False)  # outputs per chunk of chunk_counts
 
     # The orders are the identity whenever the coordinates came in sorted, which is
     # always the case inside a network (every stage hands out sorted coordinates).
@@ -406,8 +417,9 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     # forward_search.py). Under the simulator the count is a NumPy value, free to
     # read, and every launched block costs a crowd of Python threads.
     grid = int(n_rows[0]) if simulating() else upper
-    table, _ = forward_search_cuda(skeys, qkeys, d_deltas, rows, n_rows, B, C, grid,
-                                   report[REPORT_ROWS + 1:], n_offsets=K)  # stage 6, mirrors included
+    chunk = chunk_size()  # the metadata stage's chunk of outputs
+    table, _, chunk_counts = forward_search_cuda(skeys, qkeys, d_deltas, rows, n_rows, B, C, grid,
+                                                 report[REPORT_ROWS + 1:], n_offsets=K, chunk=chunk)  # stage 6
     rep = to_host(report)  # the one read at the end: flags, balanced blocks, counts
     _check_report(rep, sides)
     counts_host = rep[REPORT_ROWS + 1:].copy()
@@ -425,6 +437,7 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     m = _finish(in_sorted, out_sorted, in_order, offsets, table, report[REPORT_ROWS + 1:], stats,
                 ks, st, dil, ts, out_order)
     m.counts_host = counts_host
+    m.chunk_counts, m.chunk = chunk_counts, chunk
     return m
 
 

@@ -61,7 +61,9 @@ into *chunks* of ``CHUNK`` consecutive outputs (1024 on a GPU: 128 threads x 8
 outputs each), and the rank is split in two parts:
 
 1. :func:`chunk_counts_kernel`, one block per (offset k, chunk c), counts the
-   pairs of k in chunk c: ``counts2d`` (K x n_chunks).
+   pairs of k in chunk c: ``counts2d`` (K x n_chunks). A map from the kernel
+   path already has them (``KernelMap.chunk_counts``): its forward search
+   counted each pair where it found it, so this pass over the map is skipped.
 2. :func:`tables_kernel`, one block per (k, c): the block first adds up
    ``counts2d[k, :c]``, the pairs of offset k in the chunks before c, which is
    the rank of chunk (k, c)'s first pair (at most |Q| / 1024 numbers, shared
@@ -385,12 +387,15 @@ def build_plan_cuda(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
     table = to_device(kernel_map.table)
     K, n_out = table.shape
     n_in = len(kernel_map.in_coords)
-    counts2d = chunk_counts_cuda(table, threads)
+    chunk = chunk_size(threads)
+    counts2d = getattr(kernel_map, "chunk_counts", None)  # counted by the forward search
+    if counts2d is None or getattr(kernel_map, "chunk", None) != chunk:
+        counts2d = chunk_counts_cuda(table, threads)  # a map from elsewhere: count them here
     in_table = filled((K, n_in), np.int32, -1)  # offset-major; entries without a pair stay -1
     out_table = device_xp().empty((K, n_out), dtype=np.int32)  # the kernel writes every entry
     n_blocks = counts2d.size
     launch(tables_kernel, n_blocks, table, counts2d, to_device_async(base.astype(np.int32)),
-           chunk_size(threads), in_table, out_table, threads=threads, blocks=n_blocks)
+           chunk, in_table, out_table, threads=threads, blocks=n_blocks)
     # (N, K) views of the offset-major arrays: the shape the plan documents.
     return GmasPlan(counts, order, groups, base, rows, centre, in_table.T, out_table.T, policy)
 

@@ -19,6 +19,7 @@ from numba_sc.backend import to_device, to_host
 from numba_sc.backward_search import (backward_search_cuda, backward_search_reference,
                                       max_balanced_blocks, split_query_blocks_reference)
 from numba_sc.forward_search import forward_search_cuda, forward_search_reference
+from numba_sc.metadata import chunk_counts_reference, chunk_size
 from numba_sc.query_segments import query_segments_reference
 
 
@@ -125,7 +126,7 @@ def test_stage_docstring_examples():
     assert sorted(to_host(rows_k)[:4].tolist()) == rows.tolist()  # written in no fixed order
     expect = [[-1, -1, -1, 1, -1, -1, -1]]
     assert forward_search_reference(s, q, d, bounds, 2)[0].tolist() == expect
-    table, counts = forward_search_cuda(ds, dq, dd, rows_k, n_rows, 2, 2, grid=upper)
+    table, counts, _ = forward_search_cuda(ds, dq, dd, rows_k, n_rows, 2, 2, grid=upper)
     assert to_host(table).tolist() == expect
     assert to_host(counts).tolist() == [1]
 
@@ -217,9 +218,13 @@ def test_stages_kernel_equals_reference(rng):
     assert sizes.min() >= 1 and sizes.max() <= C
     assert sizes.sum() == (bounds_r[:, -1] - bounds_r[:, 0]).sum()
     table_r, _ = forward_search_reference(skeys, skeys, deltas, bounds_r, B)
-    table_k, counts = forward_search_cuda(dkeys, dkeys, ddeltas, rows_k, n_rows, B, C, grid=upper)
+    table_k, counts, chunk_counts = forward_search_cuda(dkeys, dkeys, ddeltas, rows_k, n_rows, B, C, grid=upper)
     assert np.array_equal(to_host(table_k), table_r)
     assert np.array_equal(to_host(counts), (table_r >= 0).sum(axis=1))  # counted in the kernel
+    # and per chunk of outputs, for the metadata stage; a small chunk puts many borders inside
+    _, _, small = forward_search_cuda(dkeys, dkeys, ddeltas, rows_k, n_rows, B, C, grid=upper, chunk=7)
+    np.testing.assert_array_equal(to_host(small), chunk_counts_reference(table_r, 7))
+    np.testing.assert_array_equal(to_host(chunk_counts), chunk_counts_reference(table_r, chunk_size()))
     # Blocks past the device count must leave, even where the rows hold real work:
     # claim only half the rows and those queries must stay unanswered.
     cut = len(rows_r) // 2
@@ -227,8 +232,8 @@ def test_stages_kernel_equals_reference(rng):
     for k, _, a, b in got[cut:]:
         expect[k, a:b] = -1
     assert (expect != table_r).any()
-    table_cut, _ = forward_search_cuda(dkeys, dkeys, ddeltas, rows_k, to_device(np.array([cut])), B, C,
-                                       grid=upper)
+    table_cut, _, _ = forward_search_cuda(dkeys, dkeys, ddeltas, rows_k, to_device(np.array([cut])), B, C,
+                                          grid=upper)
     assert np.array_equal(to_host(table_cut), expect)
     assert np.array_equal(table_r, searchsorted_oracle_table(np.unique(c, axis=0), np.unique(c, axis=0), offs))
 
@@ -477,6 +482,8 @@ def test_symmetric_search_equals_full_search(rng, kernel_size, dilation, searche
         assert m.stats["segments_searched"] == searched
         np.testing.assert_array_equal(to_host(m.table), want)
         np.testing.assert_array_equal(to_host(m.counts), full.counts)
+        if backend == "cuda":  # the mirrored entries are counted per chunk as well
+            np.testing.assert_array_equal(to_host(m.chunk_counts), chunk_counts_reference(want, chunk_size()))
     half = ns.build_kernel_map(c, kernel_size, backend="reference", **kw)
     assert half.stats["queries_searched"] == searched * len(c)
     if searched < len(full.offsets):  # fewer queries searched, fewer comparisons made

@@ -67,11 +67,11 @@ def test_check_catches_and_locates_a_broken_map_kernel(monkeypatch):
     real = kmmod.forward_search_cuda
 
     def broken(*args, **kw):
-        table, report = real(*args, **kw)
+        table, report, chunk_counts = real(*args, **kw)
         hits = np.argwhere(to_host(table) >= 0)
         k, i = hits[len(hits) // 2]
         table[k, i] = -1  # the planted bug: one pair lost
-        return table, report
+        return table, report, chunk_counts
 
     monkeypatch.setattr(kmmod, "forward_search_cuda", broken)
     pts = crop(load_scan("semantickitti"), 400)
