@@ -27,8 +27,8 @@ Napkin math, fp32: the features are read once (``4|P|C_in`` bytes), the table
 (``4 * pairs * C_in``). A SemanticKITTI scan at 0.05 m (94,444 voxels) has
 190k pairs outside the centre in a 3x3x3 layer, so at 64 channels the gather
 reads 24 MB of features and 10 MB of table (with T = 8, each entry is requested
-by the 8 tile threads of its point, in the warps of one block: one DRAM read,
-7 cache hits) and writes 49 MB of buffer. A point with no pair outside the centre
+by the 8 tile threads of its point, neighbours in a warp: one DRAM read, 8
+cache hits) and writes 49 MB of buffer. A point with no pair outside the centre
 has its features never read.
 
 Padding rows of the buffer are not written: their GEMM results land in padding
@@ -39,7 +39,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, int32
 
 from .backend import device_xp, launch, resolve_backend, simulating, to_device
 
@@ -76,31 +76,22 @@ def gather_reference(features, in_table, rows, tile=None):
 
 
 # -------------------------------------------------------------------- kernels
-WARP = 32  # points per slab: one warp's worth
-
-
-def slab_threads(n_points: int, tiles: int) -> int:
-    """Threads to launch for :func:`point_and_tile`: whole slabs of 32 points."""
-    return -(-int(n_points) // WARP) * WARP * tiles
+AHEAD = 8  # table entries a thread reads before using the first of them
 
 
 @cuda.jit(device=True, inline=True)
-def point_and_tile(t, tiles):
-    """Thread ``t`` -> (point, first channel of its tile index), in slabs of 32 points.
+def read_ahead(table, k0, p, ahead):
+    """``ahead[u] = table[k0 + u, p]`` for the next AHEAD offsets (-1 past the last).
 
-    A slab is 32 consecutive points times ``tiles`` tiles; inside it the point
-    varies fastest, so the 32 lanes of a warp hold the same tile of 32
-    neighbouring points. Then each read of table entry k by a warp is 128
-    contiguous bytes of the offset-major table (tile-fastest, a warp of 8
-    tiles x 4 points read 16 bytes per k: half of every sector wasted, measured
-    1.5x slower on 1M points). The tiles of one point sit in other warps of the
-    same block, so its feature row, read piecewise, still comes from L1.
-    The point may be past the last one in the final slab: the caller checks.
+    Why: in the offset-major table the entries of one point lie |P| * 4 bytes
+    apart, each in a cache line of its own. Read one at a time, each read waits
+    for memory before the thread can test it (the store that may follow could
+    alias the table, so the compiler keeps them in order): K round trips per
+    thread. This constant-length loop is unrolled and its loads are independent,
+    so AHEAD of them are in flight at once.
     """
-    per_slab = WARP * tiles
-    slab = t // per_slab
-    r = t - slab * per_slab
-    return slab * WARP + r % WARP, r // WARP
+    for u in range(AHEAD):
+        ahead[u] = table[k0 + u, p] if k0 + u < table.shape[0] else -1
 
 
 @lru_cache(maxsize=None)
@@ -110,25 +101,29 @@ def gather_kernel(tile: int):
 
     @cuda.jit
     def gather(features, in_table, buf):
-        """``in_table`` is offset-major here, (K, |P|): entry k of neighbouring
-        points are neighbouring addresses (see :mod:`numba_sc.metadata`)."""
-        p, j = point_and_tile(cuda.grid(1), features.shape[1] // tile)
-        if p < features.shape[0]:
-            c0 = j * tile  # this thread's channels: c0 .. c0 + tile - 1
+        """``in_table`` is offset-major here, (K, |P|) (see :mod:`numba_sc.metadata`)."""
+        t = cuda.grid(1)
+        tiles = features.shape[1] // tile
+        if t < features.shape[0] * tiles:
+            p = t // tiles  # neighbouring threads take neighbouring tiles of one point:
+            c0 = (t - p * tiles) * tile  # their loads and stores are contiguous
             v = cuda.local.array(tile, float32)  # fp32 holds fp16 exactly: no rounding
+            ahead = cuda.local.array(AHEAD, int32)
             loaded = False
-            for k in range(in_table.shape[0]):
-                row = in_table[k, p]  # the same entry for all tiles of p (Algorithm 1, line 5)
-                if row >= 0:
-                    if not loaded:
-                        # Load the tile only for a point that feeds some pair: in a
-                        # sparse cloud most points have none outside the centre
-                        # (about 2 in 3 of 1M random voxels in 400^3).
+            for k0 in range(0, in_table.shape[0], AHEAD):
+                read_ahead(in_table, k0, p, ahead)
+                for u in range(AHEAD):
+                    row = ahead[u]  # the same entry for all tiles of p (Algorithm 1, line 5)
+                    if row >= 0:
+                        if not loaded:
+                            # Load the tile only for a point that feeds some pair: in a
+                            # sparse cloud most points have none outside the centre
+                            # (about 2 in 3 of 1M random voxels in 400^3).
+                            for c in range(tile):
+                                v[c] = features[p, c0 + c]
+                            loaded = True
                         for c in range(tile):
-                            v[c] = features[p, c0 + c]
-                        loaded = True
-                    for c in range(tile):
-                        buf[row, c0 + c] = v[c]
+                            buf[row, c0 + c] = v[c]
 
     return gather
 
@@ -144,7 +139,7 @@ def gather_cuda(features, in_table, rows, tile):
     if rows:
         # in_table is (|P|, K); the kernel wants its offset-major transpose. For a
         # plan's table (an (N, K) view of a (K, N) array) .T is that array itself.
-        launch(gather_kernel(tile), slab_threads(f.shape[0], f.shape[1] // tile), f,
+        launch(gather_kernel(tile), f.shape[0] * (f.shape[1] // tile), f,
                to_device(xp.asarray(in_table).T), buf)
     return buf
 

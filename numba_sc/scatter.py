@@ -28,10 +28,10 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, int32
 
 from .backend import device_xp, launch, resolve_backend, to_device
-from .gather import check_tile, point_and_tile, slab_threads
+from .gather import AHEAD, check_tile, read_ahead
 
 
 # ------------------------------------------------------------------ reference
@@ -61,24 +61,29 @@ def scatter_kernel(tile: int):
     @cuda.jit
     def scatter(obuf, out_table, has_init, out):
         """``out_table`` is offset-major here, (K, |Q|) (see :mod:`numba_sc.metadata`)."""
-        q, j = point_and_tile(cuda.grid(1), out.shape[1] // tile)  # as in the gather
-        if q < out.shape[0]:
-            c0 = j * tile
+        t = cuda.grid(1)
+        tiles = out.shape[1] // tile
+        if t < out.shape[0] * tiles:
+            q = t // tiles  # as in the gather: neighbouring threads, neighbouring tiles
+            c0 = (t - q * tiles) * tile
             acc = cuda.local.array(tile, float32)  # fp32 accumulator, fp16 data or not
+            ahead = cuda.local.array(AHEAD, int32)
             for c in range(tile):
                 acc[c] = float32(0.0)
             found = False
-            for k in range(out_table.shape[0]):
-                row = out_table[k, q]  # shared by all tiles of q
-                if row >= 0:
-                    if not found and has_init:
-                        # ``out`` already holds the centre product: start from it
-                        # (the same order of additions as the reference).
+            for k0 in range(0, out_table.shape[0], AHEAD):
+                read_ahead(out_table, k0, q, ahead)  # the next AHEAD entries, in flight together
+                for u in range(AHEAD):
+                    row = ahead[u]  # shared by all tiles of q
+                    if row >= 0:
+                        if not found and has_init:
+                            # ``out`` already holds the centre product: start from it
+                            # (the same order of additions as the reference).
+                            for c in range(tile):
+                                acc[c] = out[q, c0 + c]
+                        found = True
                         for c in range(tile):
-                            acc[c] = out[q, c0 + c]
-                    found = True
-                    for c in range(tile):
-                        acc[c] += obuf[row, c0 + c]
+                            acc[c] += obuf[row, c0 + c]
             # An output without pairs keeps its centre product untouched: no read,
             # no write (most of a sparse cloud's points); without a centre product
             # it gets its zeros.
@@ -104,7 +109,7 @@ def scatter_cuda(obuf, out_table, init=None, n_out=None, channels=None, dtype=No
     else:
         out = xp.empty((n_out, channels), dtype=dtype or obuf.dtype)
     # the kernel wants the offset-major (K, |Q|) table: for a plan's (N, K) view, .T
-    launch(scatter_kernel(tile), slab_threads(n_out, channels // tile), to_device(obuf), to_device(ot.T),
+    launch(scatter_kernel(tile), n_out * (channels // tile), to_device(obuf), to_device(ot.T),
            init is not None, out)
     return out
 
