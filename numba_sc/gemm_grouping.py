@@ -49,7 +49,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .backend import simulating
+from numba import cuda
+
+from .backend import device_xp, launch, simulating
 
 DEFAULT_MAX_PADDING = 0.25  # a group may add at most 25 % zero rows to its real rows
 DEFAULT_SOLO_ROWS = 1 << 17  # an offset with this many pairs runs as its own GEMM
@@ -225,17 +227,59 @@ def _device_order(members):
     return _ORDER_CACHE[key]
 
 
-def grouped_gemm_cuda(in_buf, weight, groups, out_buf):
-    """One batched cuBLAS GEMM per group, round-robin on a pool of 4 streams.
+def take_weights_reference(weight, order):
+    """``weight[order]``: the weights of the buffer's offsets, in buffer order."""
+    return np.asarray(weight)[np.asarray(order)]
+
+
+@cuda.jit
+def take_weights_kernel(weight, order, out):
+    """``out[g] = weight[order[g]]``, one thread per value; ``weight`` and ``out`` are
+    viewed as (offsets, C_in * C_out) so that neighbouring threads copy neighbours."""
+    t = cuda.grid(1)
+    per = weight.shape[1]
+    if t < order.shape[0] * per:
+        g = t // per
+        out[g, t - g * per] = weight[order[g], t - g * per]
+
+
+def take_weights_cuda(weight, order):
+    """Device ``weight[order]`` with :func:`take_weights_kernel`: one launch through
+    the fast path, where ``cupy.take`` cost ~55 us of host time in a layer on the
+    H100 (``benchmarks/probe_timeline.py``)."""
+    K, c_in, c_out = weight.shape
+    out = device_xp().empty((order.shape[0], c_in, c_out), dtype=weight.dtype)
+    launch(take_weights_kernel, order.shape[0] * c_in * c_out, weight.reshape(K, c_in * c_out), order,
+           out.reshape(order.shape[0], c_in * c_out))
+    return out
+
+
+class _PoolEvents:
+    """Events reused from call to call (creating one costs host time): one that marks
+    the caller's work before the GEMMs, and one per pool stream marking its end."""
+
+    def __init__(self):
+        import cupy
+
+        self.ready = cupy.cuda.Event(disable_timing=True)
+        self.done = [cupy.cuda.Event(disable_timing=True) for _ in range(STREAM_POOL)]
+
+
+_EVENTS = []
+
+
+def grouped_gemm_cuda(in_buf, weight, groups, out_buf, streams=STREAM_POOL):
+    """One batched cuBLAS GEMM per group, round-robin on a pool of ``streams`` streams.
 
     ``weight`` is on the device. Under the simulator there are no streams: this
     falls back to the reference. The pool waits for the work queued before it
     (the gather) through an event, and the caller's stream waits for every pool
     stream before the scatter, so no host synchronisation is needed.
+    ``streams=1`` issues every GEMM on the caller's stream (no events at all).
 
     A strided batched GEMM wants the weights of a group's members equally spaced
-    in memory, so the weights are first gathered into group order (one library
-    ``take`` of ``K C_in C_out`` values, small next to the buffers).
+    in memory, so the weights are first gathered into group order
+    (:func:`take_weights_cuda`, ``K C_in C_out`` values, small next to the buffers).
     """
     if simulating():
         return grouped_gemm_reference(in_buf, weight, groups, out_buf)
@@ -246,15 +290,21 @@ def grouped_gemm_cuda(in_buf, weight, groups, out_buf):
     cublas, handle = _cublas()
     c_in, c_out, item = weight.shape[1], weight.shape[2], weight.itemsize
     t = _CUDA_TYPE[np.dtype(weight.dtype)]
-    w_sorted = cupy.take(weight, _device_order(tuple(k for g in groups for k in g.members)), axis=0)
+    w_sorted = take_weights_cuda(weight, _device_order(tuple(k for g in groups for k in g.members)))
     caller = cupy.cuda.get_current_stream()
-    ready = caller.record()
-    pool = _stream_pool() if len(groups) > 1 else [caller]
+    pool = _stream_pool()[:max(1, min(int(streams), STREAM_POOL))] if len(groups) > 1 else [caller]
+    if pool[0] is not caller and len(pool) == 1:
+        pool = [caller]
+    if not _EVENTS:
+        _EVENTS.append(_PoolEvents())
+    events = _EVENTS[0]
+    if pool[0] is not caller:
+        caller.record(events.ready)
     pos = 0
     for i, g in enumerate(groups):
         s = pool[i % len(pool)]
-        if s is not caller:
-            s.wait_event(ready)
+        if s is not caller and i < len(pool):
+            s.wait_event(events.ready)
         with s:  # CuPy's cuBLAS wrappers bind the handle to the current stream
             cublas.gemmStridedBatchedEx(
                 handle, 0, 0, c_out, g.rows, c_in, _ONE_PTR,
@@ -263,7 +313,7 @@ def grouped_gemm_cuda(in_buf, weight, groups, out_buf):
                 _ZERO_PTR, out_buf.data.ptr + g.start * c_out * item, t, c_out, g.rows * c_out,
                 len(g.members), _COMPUTE_32F, _GEMM_DEFAULT)
         pos += len(g.members)
-    for s in pool[:len(groups)]:
+    for s, done in zip(pool[:len(groups)], events.done):
         if s is not caller:
-            caller.wait_event(s.record())
+            caller.wait_event(s.record(done))
     return out_buf

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import numba_sc
 from numba_sc import SparseTensor, kernel_offsets, sparse_conv3d
 from numba_sc import autotune as autotune_mod_fn  # the function
-from numba_sc.backend import simulating, to_host
+from numba_sc.backend import simulating, to_device, to_host
 from numba_sc.conv import gmas, resolve_tiles
 from numba_sc.gather import divisors, gather_cuda, gather_reference
 from numba_sc.gemm_grouping import make_groups, offset_order, padding_report
@@ -645,3 +645,15 @@ def test_public_scatter_leaves_init_untouched():
         out = to_host(scatter(obuf, table, init, backend=backend))
         assert np.array_equal(init, np.ones((3, 2), np.float32))
         assert np.array_equal(out, 1 + np.array([[6, 8], [2, 3], [14, 16]], np.float32))
+
+
+def test_take_weights_kernel_matches_reference(rng):
+    """The weights in buffer order: kernel == weight[order], repeats and all."""
+    from numba_sc.gemm_grouping import take_weights_cuda, take_weights_reference
+
+    for dtype in (np.float32, np.float16):
+        w = rng.normal(size=(7, 3, 5)).astype(dtype)
+        order = np.array([6, 0, 3, 3, 1], np.int64)
+        got = to_host(take_weights_cuda(to_device(w), to_device(order)))
+        np.testing.assert_array_equal(got, take_weights_reference(w, order))
+        np.testing.assert_array_equal(got[2], w[3])  # not a shifted copy
