@@ -20,7 +20,8 @@ def mixed_kernel(a2d, b, scale, offset, flip, out):
 
 
 @pytest.mark.skipif(not backend.gpu_present(), reason="the fast launch path runs only on a GPU")
-def test_fast_launch_matches_dispatcher():
+def test_fast_launch_matches_dispatcher(monkeypatch):
+    monkeypatch.setattr(backend, "_FAST", backend.FastLauncher())  # learns afresh
     import cupy
 
     rng = np.random.default_rng(1)
@@ -37,3 +38,9 @@ def test_fast_launch_matches_dispatcher():
     backend.launch(mixed_kernel, 5000, a, b, 1.5, 7, False, out2)
     backend.launch(mixed_kernel, 5000, a, b, 1.5, 7, False, out2)
     np.testing.assert_allclose(out2.get(), expect, rtol=1e-5, atol=1e-5)
+    # Negative integers and a float32 scalar fill their slots correctly too.
+    expect = (a[:, 0] * np.float32(-0.25) + a[:, 1] + b - 3).get()
+    for _ in range(2):
+        out = cupy.full(5000, np.nan, np.float32)
+        backend.launch(mixed_kernel, 5000, a, b, np.float32(-0.25), -3, False, out, threads=64)
+        np.testing.assert_allclose(out.get(), expect, rtol=1e-5, atol=1e-5)
