@@ -203,6 +203,15 @@ def bench_spconv(coords, cin, cout, dtype, algo_name, args, rec):
 
 
 # ------------------------------------------------------------------------ main
+def recorded(note):
+    """Device, date, the command that made these numbers, and what code they measure."""
+    import cupy
+
+    return {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+            "date": time.strftime("%Y-%m-%d"), "command": "python3 " + " ".join(sys.argv),
+            "code": note}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
@@ -214,6 +223,7 @@ def main():
     ap.add_argument("--datasets", default="kitti,random")
     ap.add_argument("--dtypes", default="float32,float16")
     ap.add_argument("--no-spconv", action="store_true")
+    ap.add_argument("--note", default="", help="what code this run measured (goes into 'recorded')")
     args = ap.parse_args()
     channels = [tuple(int(v) for v in c.split("-")) for c in args.channels.split(",")]
 
@@ -275,6 +285,7 @@ def main():
                               f"{g['map']['launches']} (pad {g['map']['overhead']:.1%})"
                               + (f" | rel err {rec['rel_err_vs_reference']:.1e}"
                                  if "rel_err_vs_reference" in rec else ""))
+    results["recorded"] = recorded(args.note)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"full results: {args.out}")
     return 0

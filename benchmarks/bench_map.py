@@ -145,8 +145,9 @@ def bench_map(coords, args, **kw):
             "wall_ms": time_wall(run, args.repeats, args.warmup)}
 
 
-def bench_stages(coords, args, B=256, C=512):
-    """Each stage alone, with the inputs the previous stage made (default B, C)."""
+def bench_stages(coords, args, B=512, C=1024):
+    """Each stage alone, with the inputs the previous stage made (the default B, C), and
+    the symmetric search's ceil(K/2) segments as build_kernel_map runs them."""
     import cupy
 
     import numba_sc as ns
@@ -159,7 +160,9 @@ def bench_stages(coords, args, B=256, C=512):
     offs = cv.kernel_offsets(3)
     deltas = to_device(cv.key_delta(offs))
     K, n = len(offs), int(coords.shape[0])
-    upper = max_balanced_blocks(K, n, n, B, C)
+    h = (K + 1) // 2  # segments searched by a symmetric submanifold layer
+    deltas = deltas[:h]
+    upper = max_balanced_blocks(h, n, n, B, C)
     flags = cupy.zeros(3, np.int64)
     keys = cupy.empty(n, np.int64)
 
@@ -169,14 +172,17 @@ def bench_stages(coords, args, B=256, C=512):
     pack()
     skeys, _, _ = sort_rows_cuda(keys, coords, flags[2:])
     bounds, rows, n_rows = backward_search_cuda(skeys, skeys, deltas, B, C, upper)
-    out = {"B": B, "C": C, "forward_grid_upper_bound": upper, "balanced_blocks": int(n_rows[0])}
+    out = {"B": B, "C": C, "segments_searched": h, "forward_grid_upper_bound": upper,
+           "balanced_blocks": int(n_rows[0])}
     stages = {
         "pack (kernel, no read)": pack,
         "sort (argsort + permute kernel)": lambda: sort_rows_cuda(keys, coords, flags[2:]),
         "backward search (+ rows)": lambda: backward_search_cuda(skeys, skeys, deltas, B, C, upper),
         "forward search (incl. table fill)": lambda: forward_search_cuda(
-            skeys, skeys, deltas, rows, n_rows, B, C, upper),
+            skeys, skeys, deltas, rows, n_rows, B, C, upper, n_offsets=K),
         "whole build_kernel_map": lambda: ns.build_kernel_map(coords, 3, backend="cuda"),
+        "whole build_kernel_map, symmetric=False (all 27 segments)": lambda: ns.build_kernel_map(
+            coords, 3, backend="cuda", symmetric=False),
     }
     for name, fn in stages.items():
         out[name] = {"gpu_ms": time_gpu(fn, args.repeats, args.warmup),
@@ -264,6 +270,15 @@ def verify_against_reference(coords):
 
 
 # ------------------------------------------------------------------------ main
+def recorded(note):
+    """Device, date, the command that made these numbers, and what code they measure."""
+    import cupy
+
+    return {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+            "date": time.strftime("%Y-%m-%d"), "command": "python3 " + " ".join(sys.argv),
+            "code": note}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default=None, help="folder with semantickitti_000000.bin "
@@ -274,6 +289,7 @@ def main(argv=None):
     ap.add_argument("--random-n", type=int, default=1_000_000)
     ap.add_argument("--box", type=int, default=400)
     ap.add_argument("--no-sweep", action="store_true", help="skip the B x C sweep")
+    ap.add_argument("--note", default="", help="what code this run measured (goes into 'recorded')")
     ap.add_argument("--verify-random", action="store_true",
                     help="also check the 1M-voxel table against the NumPy reference (slow, ~GBs of RAM)")
     args = ap.parse_args(argv)
@@ -329,6 +345,7 @@ def main(argv=None):
             section(r, "sweep", lambda: bench_sweep(coords, args))
         print_summary(name, r)
 
+    results["recorded"] = recorded(args.note)
     Path(args.out).write_text(json.dumps(results, indent=2, default=str))
     print(f"\nwrote {args.out}")
 

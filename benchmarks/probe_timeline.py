@@ -190,6 +190,59 @@ def forward_variants(ns, clouds):
                 print(f"{cname:9s} forward {vname:18s} threads {threads}: {statistics.median(times):7.1f} us  pairs {ok}")
 
 
+def micro(ns, clouds):
+    """Host us per launch of one 3-array kernel by path; grouped GEMMs on 1 vs 4 streams."""
+    import cupy
+
+    from numba_sc import backend as be
+    from numba_sc import gemm_grouping as gg
+    from numba_sc.conv import _prepare_layer
+    from numba_sc.gather import gather_cuda, gather_kernel
+
+    def per_call_us(fn, n=300):
+        for _ in range(20):
+            fn()
+        cupy.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        cupy.cuda.Device().synchronize()
+        return (t1 - t0) / n * 1e6
+
+    f = cupy.ones((1000, 8), cupy.float32)
+    tab = cupy.full((27, 1000), -1, cupy.int32)
+    buf = cupy.empty((10, 8), cupy.float32)
+    k = gather_kernel(8)
+    be.launch(k, 1000, f, tab, buf)
+    print(f"launch, fast path: {per_call_us(lambda: be.launch(k, 1000, f, tab, buf)):.1f} us")
+    print(f"launch, Numba dispatcher: {per_call_us(lambda: k[4, 256](f, tab, buf)):.1f} us")
+    print(f"cupy.empty: {per_call_us(lambda: cupy.empty((1000, 8), cupy.float32)):.1f} us; "
+          f"cupy.take: {per_call_us(lambda: cupy.take(f, cupy.arange(3), axis=0)):.1f} us")
+    rng = np.random.default_rng(0)
+    for cname, coords in clouds.items():
+        for ch in (64, 256):
+            x = ns.SparseTensor(cupy.asarray(coords), cupy.asarray(rng.normal(size=(len(coords), ch)).astype(np.float32)))
+            w = cupy.asarray(rng.normal(size=(27, ch, ch)).astype(np.float32))
+            km = ns.build_kernel_map(x.coords, 3, assume_sorted=True)
+            fd, wd, km2, plan = _prepare_layer(x, w, 3, 1, 1, False, km, "cuda")
+            ibuf = gather_cuda(fd, plan.in_table, plan.rows, 8)
+            obuf = cupy.empty((plan.rows, ch), cupy.float32)
+            for streams in (1, 4):
+                fn = lambda: gg.grouped_gemm_cuda(ibuf, wd, plan.groups, obuf, streams=streams)  # noqa: E731
+                host = per_call_us(fn, 50)
+                gpu = []
+                for _ in range(20):
+                    a, b = cupy.cuda.Event(), cupy.cuda.Event()
+                    a.record()
+                    fn()
+                    b.record()
+                    b.synchronize()
+                    gpu.append(cupy.cuda.get_elapsed_time(a, b) * 1e3)
+                print(f"{cname:9s} {ch}->{ch} GEMMs ({len(plan.groups)} groups) on {streams} stream(s): "
+                      f"host {host:7.1f} us/call, events {statistics.median(gpu):7.1f} us")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default=".devdata")
@@ -199,6 +252,7 @@ def main():
     ap.add_argument("--ncu", action="store_true", help="one Map step and one layer per cloud between "
                     "profilerStart/Stop, for ncu --profile-from-start off")
     ap.add_argument("--variants", action="store_true", help="time forward-kernel register variants")
+    ap.add_argument("--micro", action="store_true", help="launch paths; GEMM stream pool 1 vs 4")
     args = ap.parse_args()
     import cupy
 
@@ -211,6 +265,8 @@ def main():
         return ncu_pass(ns, clouds, [int(c) for c in args.channels.split(",")])
     if args.variants:
         return forward_variants(ns, clouds)
+    if args.micro:
+        return micro(ns, clouds)
     rec = Recorder()
     install(rec)
     out = {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
