@@ -275,7 +275,8 @@ def recorded(note):
     import cupy
 
     return {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-            "date": time.strftime("%Y-%m-%d"), "command": "python3 " + " ".join(sys.argv),
+            "date": time.strftime("%Y-%m-%d"),
+            "command": "python3 " + " ".join(a for a in sys.argv if not a.startswith("--note")),
             "code": note}
 
 
