@@ -203,13 +203,26 @@ def bench_spconv(coords, cin, cout, dtype, algo_name, args, rec):
 
 
 # ------------------------------------------------------------------------ main
+def _without_note(argv):
+    """The command line less its --note (the note is recorded on its own)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--note":
+            skip = True
+        elif not a.startswith("--note="):
+            out.append(a)
+    return out
+
+
 def recorded(note):
     """Device, date, the command that made these numbers, and what code they measure."""
     import cupy
 
     return {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
             "date": time.strftime("%Y-%m-%d"),
-            "command": "python3 " + " ".join(a for a in sys.argv if not a.startswith("--note")),
+            "command": "python3 " + " ".join(_without_note(sys.argv)),
             "code": note}
 
 
