@@ -253,14 +253,16 @@ def main():
                     "profilerStart/Stop, for ncu --profile-from-start off")
     ap.add_argument("--variants", action="store_true", help="time forward-kernel register variants")
     ap.add_argument("--micro", action="store_true", help="launch paths; GEMM stream pool 1 vs 4")
+    ap.add_argument("--clouds", default="kitti,random1M", help="which of kitti, random1M")
     args = ap.parse_args()
     import cupy
 
     import numba_sc as ns
 
     scan = np.fromfile(Path(args.data) / "semantickitti_000000.bin", np.float32).reshape(-1, 4)
-    clouds = {"kitti": ns.voxelize(np.ascontiguousarray(scan[:, :3]), 0.05, backend="reference").coords,
-              "random1M": random_coords()}
+    makers = {"kitti": lambda: ns.voxelize(np.ascontiguousarray(scan[:, :3]), 0.05, backend="reference").coords,
+              "random1M": random_coords}
+    clouds = {name: makers[name]() for name in args.clouds.split(",")}
     if args.ncu:
         return ncu_pass(ns, clouds, [int(c) for c in args.channels.split(",")])
     if args.variants:
