@@ -36,6 +36,7 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+from _record import recorded  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -203,29 +204,6 @@ def bench_spconv(coords, cin, cout, dtype, algo_name, args, rec):
 
 
 # ------------------------------------------------------------------------ main
-def _without_note(argv):
-    """The command line less its --note (the note is recorded on its own)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--note":
-            skip = True
-        elif not a.startswith("--note="):
-            out.append(a)
-    return out
-
-
-def recorded(note):
-    """Device, date, the command that made these numbers, and what code they measure."""
-    import cupy
-
-    return {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-            "date": time.strftime("%Y-%m-%d"),
-            "command": "python3 " + " ".join(_without_note(sys.argv)),
-            "code": note}
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))

@@ -36,6 +36,7 @@ import traceback
 from pathlib import Path
 
 import numpy as np
+from _record import recorded  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
@@ -270,29 +271,6 @@ def verify_against_reference(coords):
 
 
 # ------------------------------------------------------------------------ main
-def _without_note(argv):
-    """The command line less its --note (the note is recorded on its own)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--note":
-            skip = True
-        elif not a.startswith("--note="):
-            out.append(a)
-    return out
-
-
-def recorded(note):
-    """Device, date, the command that made these numbers, and what code they measure."""
-    import cupy
-
-    return {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-            "date": time.strftime("%Y-%m-%d"),
-            "command": "python3 " + " ".join(_without_note(sys.argv)),
-            "code": note}
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default=None, help="folder with semantickitti_000000.bin "
