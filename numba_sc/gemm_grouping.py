@@ -161,15 +161,19 @@ def grouped_gemm_reference(in_buf, weight, groups, out_buf):
     return out_buf
 
 
-_STREAMS = []
+_POOLS = {}  # device id -> (the pool's streams, its reusable events)
 
 
 def _stream_pool():
+    """This device's pool: STREAM_POOL streams and the events reused with them
+    (streams and events belong to the device they were made on)."""
     import cupy
 
-    if not _STREAMS:
-        _STREAMS.extend(cupy.cuda.Stream(non_blocking=True) for _ in range(STREAM_POOL))
-    return _STREAMS
+    device = cupy.cuda.runtime.getDevice()
+    if device not in _POOLS:
+        _POOLS[device] = ([cupy.cuda.Stream(non_blocking=True) for _ in range(STREAM_POOL)],
+                          _PoolEvents())
+    return _POOLS[device]
 
 
 # cuBLAS is called directly rather than through ``cupy.matmul``: on the H100 a
@@ -265,9 +269,6 @@ class _PoolEvents:
         self.done = [cupy.cuda.Event(disable_timing=True) for _ in range(STREAM_POOL)]
 
 
-_EVENTS = []
-
-
 def grouped_gemm_cuda(in_buf, weight, groups, out_buf, streams=STREAM_POOL):
     """One batched cuBLAS GEMM per group, round-robin on a pool of ``streams`` streams.
 
@@ -292,12 +293,10 @@ def grouped_gemm_cuda(in_buf, weight, groups, out_buf, streams=STREAM_POOL):
     t = _CUDA_TYPE[np.dtype(weight.dtype)]
     w_sorted = take_weights_cuda(weight, _device_order(tuple(k for g in groups for k in g.members)))
     caller = cupy.cuda.get_current_stream()
-    pool = _stream_pool()[:max(1, min(int(streams), STREAM_POOL))] if len(groups) > 1 else [caller]
-    if pool[0] is not caller and len(pool) == 1:
-        pool = [caller]
-    if not _EVENTS:
-        _EVENTS.append(_PoolEvents())
-    events = _EVENTS[0]
+    streams_of_device, events = _stream_pool()
+    pool = streams_of_device[:max(1, min(int(streams), STREAM_POOL))]
+    if len(groups) == 1 or len(pool) == 1:
+        pool = [caller]  # one stream: everything stays on the caller's, no events
     if pool[0] is not caller:
         caller.record(events.ready)
     pos = 0
