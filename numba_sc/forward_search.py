@@ -74,7 +74,9 @@ def forward_search_reference(skeys, qkeys, deltas, bounds, B):
     lower-bound binary search in its own source block ``j * B : j * B + B``, as
     the kernel does in shared memory (the split into balanced blocks changes who
     does the work, not the result). Each step of each query is one comparison,
-    counted; the final equality check is not counted as a step.
+    counted; the final equality check is not counted as a step. (The kernel finds
+    the same position in exactly log2(B) branch-free steps over a padded block;
+    the count here is the plain search's, the number the paper's analysis uses.)
     """
     skeys, qkeys, deltas, bounds = (np.asarray(a, np.int64) for a in (skeys, qkeys, deltas, bounds))
     P, Q, K = len(skeys), len(qkeys), len(deltas)
