@@ -351,6 +351,9 @@ def _sorted_cuda(coords, reach, name, flags, assume_sorted):
     stage of this package hands out - needs no sort: the keys are the sorted
     keys. Otherwise the library's argsort and :func:`numba_sc.sorting.permute_kernel`,
     which also counts repeated rows into ``flags[2]``.
+
+    Returns ``(sorted keys, order, sorted coordinates)``; ``order`` is None when no
+    sort ran (the identity, which :class:`KernelMap` makes only if it is read).
     """
     xp = device_xp()
     c = to_device(cv.validate_coords(coords, name, check_range=False))  # shape, dtype; int32

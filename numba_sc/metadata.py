@@ -280,7 +280,7 @@ def chunk_counts_kernel(table, chunk, counts2d):
     Thread t counts its 8 outputs: 32 contiguous bytes of the table, one memory
     sector, so the block reads its 4 KB piece of row k once and in full. Blocks
     are numbered with k varying fastest (block = c * K + k), as in
-    :func:`tables_kernel`, where the numbering matters.
+    :func:`tables_kernel`.
     """
     K = table.shape[0]
     k = cuda.blockIdx.x % K
