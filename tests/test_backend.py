@@ -44,3 +44,18 @@ def test_fast_launch_matches_dispatcher(monkeypatch):
         out = cupy.full(5000, np.nan, np.float32)
         backend.launch(mixed_kernel, 5000, a, b, np.float32(-0.25), -3, False, out, threads=64)
         np.testing.assert_allclose(out.get(), expect, rtol=1e-5, atol=1e-5)
+    # A CuPy stream made current is the stream the launch goes to: ordered with the
+    # allocation, fill and read queued on it.
+    with cupy.cuda.Stream(non_blocking=True):
+        for _ in range(2):
+            out = cupy.full(5000, np.nan, np.float32)
+            backend.launch(mixed_kernel, 5000, a, b, np.float32(-0.25), -3, False, out, threads=64)
+            np.testing.assert_allclose(out.get(), expect, rtol=1e-5, atol=1e-5)
+    # A piece of a larger allocation (numba_sc.backend.Piece) is an array argument too.
+    big = cupy.full(7000, np.nan, np.float32)
+    for _ in range(2):
+        part = backend.piece(big, 4 * 1000, (5000,), np.float32)
+        backend.launch(mixed_kernel, 5000, a, b, np.float32(-0.25), -3, False, part, threads=64)
+        np.testing.assert_allclose(big[1000:6000].get(), expect, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(part.get(), expect, rtol=1e-5, atol=1e-5)
+    assert np.isnan(big[:1000].get()).all() and np.isnan(big[6000:].get()).all()  # nothing outside
