@@ -217,25 +217,30 @@ def backward_search_kernel(skeys, qkeys, deltas, B, C, bounds, rows, n_rows):
     cuda.syncthreads()
     for p in range(n):
         r = block_rows[0] + mine + p
+        if r >= rows.shape[0]:
+            break  # only keys that are not sorted (a flagged, doomed search) get here
         rows[r, 0] = k
         rows[r, 1] = j
         rows[r, 2] = start + p * size // n
         rows[r, 3] = start + (p + 1) * size // n
 
 
-def backward_search_cuda(skeys, qkeys, deltas, B, C, max_rows, n_rows=None):
+def backward_search_cuda(skeys, qkeys, deltas, B, C, max_rows, n_rows=None, bounds=None, rows=None):
     """Device ``(bounds, rows, n_rows)`` from one launch for all K segments.
 
     ``bounds`` int64 (K, nblocks + 1); ``rows`` int32 (max_rows, 4), of which the
     first ``n_rows[0]`` are written, in no particular order; ``n_rows`` a 1-element
     int64 device array (given, zeroed, or made here), never read on the host here.
-    ``max_rows``: :func:`max_balanced_blocks`.
+    ``max_rows``: :func:`max_balanced_blocks`. ``bounds`` and ``rows`` are made
+    here unless given (the Map step cuts them from one allocation).
     """
     xp = device_xp()
     K = deltas.shape[0]
     nb = num_source_blocks(skeys.shape[0], B)
-    bounds = xp.empty((K, nb + 1), dtype=np.int64)  # the kernel writes every entry
-    rows = xp.empty((max(int(max_rows), 1), 4), dtype=np.int32)
+    if bounds is None:
+        bounds = xp.empty((K, nb + 1), dtype=np.int64)  # the kernel writes every entry
+    if rows is None:
+        rows = xp.empty((max(int(max_rows), 1), 4), dtype=np.int32)
     if n_rows is None:
         n_rows = xp.zeros(1, dtype=np.int64)
     # The kernel's shared array holds one end per thread: launch exactly that many

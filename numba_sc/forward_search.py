@@ -231,7 +231,7 @@ def forward_search_kernel(B: int):
 
 
 def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=None, n_offsets=None,
-                        chunk=None):
+                        chunk=None, chunk_counts=None):
     """Launch the forward search over ``grid`` thread blocks; returns ``(table, counts)``.
 
     ``n_offsets``: rows of the table, K. Default: one per delta. When it is larger
@@ -250,6 +250,7 @@ def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=N
     outputs ``c * chunk .. (c + 1) * chunk - 1``, what
     :func:`numba_sc.metadata.chunk_counts_kernel` would count by reading the
     whole table again. Counting where the pairs are found saves that pass.
+    ``chunk_counts``, when given, must be zeros of that shape (made here otherwise).
     """
     K = deltas.shape[0] if n_offsets is None else int(n_offsets)
     table = filled((K, qkeys.shape[0]), np.int32, -1)  # misses stay -1: only hits are written
@@ -259,7 +260,8 @@ def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=N
         from .metadata import chunk_size
 
         chunk = chunk_size()
-    chunk_counts = filled((K, -(-int(qkeys.shape[0]) // chunk)), np.int32, 0)
+    if chunk_counts is None:
+        chunk_counts = filled((K, -(-int(qkeys.shape[0]) // chunk)), np.int32, 0)
     if grid > 0:
         launch(forward_search_kernel(int(B)), int(grid), skeys, qkeys, deltas, rows, n_rows, table,
                counts, int(chunk), chunk_counts, threads=forward_threads(C), blocks=int(grid))

@@ -55,22 +55,24 @@ blocks reading ~20 MB through shared memory, table 27 x 94k x 4 B = 10 MB writte
 Host work matters as much as the GPU's (a launch costs ~10 us of host time, a
 device->host read ~12 us plus the wait for the GPU): the kernel path is the
 pack kernel, the backward kernel (which also writes the balanced rows), one
-fill and the forward kernel, for all K segments at once. It reads from the device twice: two flags
-after packing (range, order: is a sort needed?) and, at the end, one small
-*report* with the error flags, the number of balanced blocks and the pairs per
-offset. ``assume_sorted=True`` (used by :func:`numba_sc.sparse_conv3d`) skips
-the first read.
+fill and the forward kernel, for all K segments at once. It reads from the
+device once, at the end: a small *report* with the pack kernel's flags (out of
+range? out of order?), the number of balanced blocks and the pairs per offset.
+The search trusts the order and the report confirms it; input that turns out
+unsorted is then sorted and searched again (see :func:`build_kernel_map_cuda`).
 """
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
 
 from . import conventions as cv
-from .backend import device_xp, filled, like, resolve_backend, simulating, to_device, to_host
+from .backend import (as_array, device_xp, filled, is_cupy, like, piece, resolve_backend, simulating, to_device,
+                      to_host)
 from .backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backward_search_cuda, backward_search_reference, check_block_sizes,
                               max_balanced_blocks, num_source_blocks, split_query_blocks_reference)
 from .forward_search import forward_search_cuda, forward_search_reference, mirror_reference
@@ -214,15 +216,16 @@ def _sorted_offsets(ks, dil, ts):
     return offsets, deltas
 
 
-def _device_deltas(ks, dil, ts):
-    """The key deltas on the current device, copied there once per layer configuration."""
+def _device_deltas(ks, dil, ts, h=None):
+    """The first ``h`` (default: all) key deltas on the current device, copied there
+    once per layer configuration."""
     device = 0 if simulating() else device_xp().cuda.runtime.getDevice()
-    return _device_deltas_on(ks, dil, ts, device)
+    return _device_deltas_on(ks, dil, ts, device, h)
 
 
 @lru_cache(maxsize=64)
-def _device_deltas_on(ks, dil, ts, device):
-    return to_device(np.array(_sorted_offsets(ks, dil, ts)[1]))
+def _device_deltas_on(ks, dil, ts, device, h):
+    return to_device(np.array(_sorted_offsets(ks, dil, ts)[1][:h]))
 
 
 def _check_columns(in_coords, out_coords):
@@ -336,38 +339,80 @@ def build_kernel_map_reference(in_coords, kernel_size=3, stride=1, dilation=1, t
 
 # -------------------------------------------------------------------- kernels
 # The kernel path's device->host traffic is one small int64 array, the *report*,
-# read once when the map is done (plus one read of two flags after packing, to
-# decide whether a sort is needed, unless the caller vouches for the order):
+# read once when the map is done:
 REPORT_IN = 0  # report[0:3]: in_coords flags: out of range, unsorted, repeated rows
 REPORT_OUT = 3  # report[3:6]: the same for the query (output) coordinates
 REPORT_ROWS = 6  # report[6]: balanced query blocks; report[7:]: pairs per offset
 
 
-def _sorted_cuda(coords, reach, name, flags, assume_sorted):
-    """Stage 3 on the device: pack, then sort only when the keys are not already in order.
+@lru_cache(maxsize=64)
+def _search_plan(ks, dil, ts, submanifold, symmetric):
+    """What a layer configuration decides once: segments searched, reaches, device deltas.
 
-    ``flags`` is this array's 3-slot view of the report. The pack kernel flags
-    out-of-range rows and rows out of order. Sorted, unique input - what every
-    stage of this package hands out - needs no sort: the keys are the sorted
-    keys. Otherwise the library's argsort and :func:`numba_sc.sorting.permute_kernel`,
-    which also counts repeated rows into ``flags[2]``.
-
-    Returns ``(sorted keys, order, sorted coordinates)``; ``order`` is None when no
-    sort ran (the identity, which :class:`KernelMap` makes only if it is read).
+    Cached because every call of a layer asks the same questions, and on a small
+    cloud the host's few microseconds per question add up (the whole Map step of
+    a 94k-voxel scan is ~0.2 ms).
     """
-    xp = device_xp()
-    c = to_device(cv.validate_coords(coords, name, check_range=False))  # shape, dtype; int32
-    n = c.shape[0]
-    keys = xp.empty(n, dtype=np.int64)
-    cv.launch_pack(c, reach[0], reach[1], keys, flags[:2])
-    if assume_sorted:
-        return keys, None, c  # order: the identity; the flags are checked with the final report
-    range_flag, unsorted = (int(v) for v in to_host(flags[:2]))  # one small read
-    if range_flag:
-        cv.raise_range_error(c, reach[0], reach[1], name)
-    if not unsorted:
-        return keys, None, c
-    return sort_rows_cuda(keys, c, flags[2:3])
+    offsets, _ = _sorted_offsets(ks, dil, ts)
+    h = searched_segments(offsets, submanifold, symmetric)
+    return h, _reaches(offsets, submanifold)
+
+
+class _Work:
+    """Everything small the kernel path needs, cut from one zeroed device allocation.
+
+    One allocation and one memset instead of a dozen arrays (each allocation,
+    fill or slice costs ~3-5 us of host time on the GPU machine; the whole Map
+    step of a 94k-voxel scan is ~0.2 ms). Layout, in int64 words::
+
+        report        REPORT_ROWS + 1 + K   the flags, the row count, pairs per offset
+        chunk_counts  K * n_chunks int32     pairs per offset and chunk of outputs
+        keys          |P| (+ |Q|)            packed input (and output) keys
+        bounds        h * (nblocks + 1)      query block borders
+        rows          upper * 4 int32        balanced query blocks
+
+    ``report`` is a CuPy (or NumPy) array, since the map hands out a view of it
+    (``counts``); the rest are :class:`numba_sc.backend.Piece` s, kernel arguments only.
+    """
+
+    def __init__(self, K, h, P, Q, B, C, chunk, two_sides):
+        self.n_chunks = -(-Q // chunk)
+        self.upper = max_balanced_blocks(h, P, Q, B, C)
+        nb = num_source_blocks(P, B)
+        R = REPORT_ROWS + 1 + K
+        words = [R, -(-K * self.n_chunks // 2), P, Q if two_sides else 0, h * (nb + 1), 2 * max(self.upper, 1)]
+        starts = [8 * w for w in accumulate(words, initial=0)]  # byte offsets (Python ints: cheap)
+        self.report = filled(starts[-1] // 8, np.int64, 0)
+        buf = self.report
+        self.report_read = piece(buf, 0, (R,), np.int64)  # what to_host reads: the report alone
+        self.flags_in = piece(buf, 8 * REPORT_IN, (3,), np.int64)
+        self.flags_out = piece(buf, 8 * REPORT_OUT, (3,), np.int64)
+        self.repeats_in = piece(buf, 8 * (REPORT_IN + 2), (1,), np.int64)  # counted by the sort path
+        self.repeats_out = piece(buf, 8 * (REPORT_OUT + 2), (1,), np.int64)
+        self.n_rows = piece(buf, 8 * REPORT_ROWS, (1,), np.int64)
+        self.counts = piece(buf, 8 * (REPORT_ROWS + 1), (K,), np.int64)
+        self.chunk_counts = piece(buf, starts[1], (K, self.n_chunks), np.int32)
+        self.keys_in = piece(buf, starts[2], (P,), np.int64)
+        self.keys_out = piece(buf, starts[3], (Q,), np.int64) if two_sides else self.keys_in
+        self.bounds = piece(buf, starts[4], (h, nb + 1), np.int64)
+        self.rows = piece(buf, starts[5], (max(self.upper, 1), 4), np.int32)
+
+    def counts_array(self, K):
+        """``report[REPORT_ROWS + 1:][:K]`` as a real array: the map's ``counts``."""
+        return self.report[REPORT_ROWS + 1:REPORT_ROWS + 1 + K]
+
+
+def _search_cuda(skeys, qkeys, d_deltas, K, B, C, work):
+    """Stages 5 and 6 on sorted keys: backward search, forward search, then the one
+    read of the report. Returns ``(table, report on the host, grid launched)``."""
+    # On a GPU launch the upper bound of balanced blocks and let surplus blocks
+    # exit (no sync, see forward_search.py). Under the simulator the count is a
+    # NumPy value, free to read, and every launched block costs a crowd of threads.
+    backward_search_cuda(skeys, qkeys, d_deltas, B, C, work.upper, work.n_rows, work.bounds, work.rows)  # stage 5
+    grid = min(int(work.n_rows[0]), work.upper) if simulating() else work.upper
+    table, _, _ = forward_search_cuda(skeys, qkeys, d_deltas, work.rows, work.n_rows, B, C, grid, work.counts,
+                                      n_offsets=K, chunk=chunk_size(), chunk_counts=work.chunk_counts)  # stage 6
+    return table, to_host(work.report_read), grid
 
 
 def _check_report(report, sides):
@@ -385,46 +430,63 @@ def _check_report(report, sides):
 def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
                           out_coords=None, source_block=DEFAULT_SOURCE_BLOCK, query_block=DEFAULT_QUERY_BLOCK,
                           assume_sorted=False, symmetric=True) -> KernelMap:
-    """The Map step with the kernels; arrays stay on the device, no Python loop over K."""
+    """The Map step with the kernels; arrays stay on the device, no Python loop over K.
+
+    Optimistic about the order: coordinates are packed and searched as if they
+    were sorted and unique - what every stage of this package hands out - and
+    the pack kernel's flags come back with the one final report. Only when a
+    flag says otherwise does the library sort run (:func:`_sort_side`), followed
+    by a second search; the first one was wasted, which costs unsorted input one
+    extra search but saves sorted input a device->host read in the middle of
+    the step (a sync that leaves the GPU idle while the host catches up).
+    """
     B, C = check_block_sizes(source_block, query_block)
     ks, st, dil, ts, offsets, deltas = _layer(kernel_size, stride, dilation, tensor_stride)
     in_coords, out_coords = to_device(in_coords), to_device(out_coords)
     _check_columns(in_coords, out_coords)
     K = len(offsets)
-    report = filled(REPORT_ROWS + 1 + K, np.int64, 0)
     submanifold = out_coords is None and st == (1, 1, 1)
-    source_reach, query_reach = _reaches(offsets, submanifold)
-    skeys, in_order, in_sorted = _sorted_cuda(in_coords, source_reach, "in_coords",
-                                              report[REPORT_IN:REPORT_IN + 3], assume_sorted)
+    h, (source_reach, query_reach) = _search_plan(ks, dil, ts, submanifold, symmetric)
+    in_sorted = to_device(cv.validate_coords(in_coords, "in_coords", check_range=False))  # shape, dtype
+    in_order = out_order = None  # the identity until a sort says otherwise
     sides = [(REPORT_IN, in_coords, source_reach, "in_coords", assume_sorted)]
-    if submanifold:  # one sorted array is both the source and the query array
-        # default outputs are the sorted inputs themselves: out_order is the identity
-        qkeys, out_sorted, out_order = skeys, in_sorted, None
-    else:
+    out_sorted = in_sorted  # submanifold: one sorted array is both the source and the queries
+    if not submanifold:
         if out_coords is None:  # strided layer, default outputs: sorted and unique already
             out_coords = output_coordinates(in_sorted, st, ts, backend="cuda")
             name, sorted_outputs = "output coordinates", True
         else:
             name, sorted_outputs = "out_coords", False
-        qkeys, out_order, out_sorted = _sorted_cuda(out_coords, query_reach, name,
-                                                    report[REPORT_OUT:REPORT_OUT + 3], sorted_outputs)
+        out_sorted = to_device(cv.validate_coords(out_coords, name, check_range=False))
         sides.append((REPORT_OUT, out_coords, query_reach, name, sorted_outputs))
-    h = searched_segments(offsets, submanifold, symmetric)  # segments searched: K or ceil(K/2)
-    d_deltas = _device_deltas(ks, dil, ts)[:h]  # int64, already on the device
+    d_deltas = _device_deltas(ks, dil, ts, h)  # int64, already on the device
+    P, Q = int(in_sorted.shape[0]), int(out_sorted.shape[0])
 
-    P, Q = int(skeys.shape[0]), int(qkeys.shape[0])
-    upper = max_balanced_blocks(h, P, Q, B, C)
-    n_rows = report[REPORT_ROWS:REPORT_ROWS + 1]  # the backward kernel counts the rows here
-    bounds, rows, _ = backward_search_cuda(skeys, qkeys, d_deltas, B, C, upper, n_rows)  # stage 5
-    # On a GPU launch the upper bound and let surplus blocks exit (no sync, see
-    # forward_search.py). Under the simulator the count is a NumPy value, free to
-    # read, and every launched block costs a crowd of Python threads.
-    grid = int(n_rows[0]) if simulating() else upper
-    chunk = chunk_size()  # the metadata stage's chunk of outputs
-    table, _, chunk_counts = forward_search_cuda(skeys, qkeys, d_deltas, rows, n_rows, B, C, grid,
-                                                 report[REPORT_ROWS + 1:], n_offsets=K, chunk=chunk)  # stage 6
-    rep = to_host(report)  # the one read at the end: flags, balanced blocks, counts
-    _check_report(rep, sides)
+    # Stage 3, optimistic: pack (the kernel flags range and order) and search.
+    work = _Work(K, h, P, Q, B, C, chunk_size(), not submanifold)
+    skeys = qkeys = work.keys_in
+    cv.launch_pack(in_sorted, *source_reach, skeys, work.flags_in)
+    if not submanifold:
+        qkeys = work.keys_out
+        cv.launch_pack(out_sorted, *query_reach, qkeys, work.flags_out)
+    table, rep, grid = _search_cuda(skeys, qkeys, d_deltas, K, B, C, work)
+    for slot, coords, reach, name, _ in sides:  # range errors first: no sort can fix them
+        if rep[slot + cv.FLAG_RANGE]:
+            cv.raise_range_error(coords, reach[0], reach[1], name)
+    _check_report(rep, sides)  # an unsorted array the caller vouched for
+    unsorted_in = bool(rep[REPORT_IN + cv.FLAG_UNSORTED])
+    unsorted_out = not submanifold and bool(rep[REPORT_OUT + cv.FLAG_UNSORTED])
+    if unsorted_in or unsorted_out:  # stage 3 after all: sort, then search again
+        old, work = work, _Work(K, h, P, Q, B, C, chunk_size(), not submanifold)
+        skeys, qkeys = as_array(old.keys_in), as_array(old.keys_out)
+        if unsorted_in:
+            skeys, in_order, in_sorted = sort_rows_cuda(skeys, in_sorted, work.repeats_in)
+        if submanifold:
+            qkeys, out_sorted = skeys, in_sorted
+        elif unsorted_out:
+            qkeys, out_order, out_sorted = sort_rows_cuda(qkeys, out_sorted, work.repeats_out)
+        table, rep, grid = _search_cuda(skeys, qkeys, d_deltas, K, B, C, work)
+        _check_report(rep, [(slot, c, r, n, False) for slot, c, r, n, _ in sides])  # repeated rows
     counts_host = rep[REPORT_ROWS + 1:].copy()
     pairs = int(counts_host.sum())
     stats = {
@@ -435,12 +497,13 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
         "source_blocks": num_source_blocks(P, B),
         "query_blocks_before_balancing": h * num_source_blocks(P, B),
         "query_blocks_after_balancing": int(rep[REPORT_ROWS]),
-        "forward_grid_upper_bound": upper, "forward_grid_launched": grid,
+        "forward_grid_upper_bound": work.upper, "forward_grid_launched": grid,
+        "sorted_on_device": unsorted_in or unsorted_out,
     }
-    m = _finish(in_sorted, out_sorted, in_order, offsets, table, report[REPORT_ROWS + 1:], stats,
+    m = _finish(in_sorted, out_sorted, in_order, offsets, table, work.counts_array(K), stats,
                 ks, st, dil, ts, out_order)
     m.counts_host = counts_host
-    m.chunk_counts, m.chunk = chunk_counts, chunk
+    m.chunk_counts, m.chunk = work.chunk_counts, chunk_size()
     return m
 
 
@@ -475,9 +538,10 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
         C, the largest balanced query block (default 1024).
     assume_sorted : bool
         The caller vouches that ``in_coords`` are sorted and unique (a
-        :class:`numba_sc.SparseTensor`'s coordinates are). The kernel path then
-        skips one device->host read; a wrong promise still raises, when the
-        map's final report is read.
+        :class:`numba_sc.SparseTensor`'s coordinates are): input that is not
+        raises a ValueError instead of being sorted. Either way sorted input
+        costs no sort, and unsorted input without the promise costs one sort
+        and a second search (the first, optimistic one finds out).
     symmetric : bool
         For a submanifold layer whose offsets come in ± pairs (any odd kernel),
         search only the first ``ceil(K / 2)`` segments and write each pair found
@@ -504,6 +568,8 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
         m = build_kernel_map_reference(in_coords, **kw)
     else:
         m = build_kernel_map_cuda(in_coords, **kw)
+    if is_cupy(in_coords) and not simulating():
+        return m  # every array is on the device already: nothing to convert
     for name in ("in_coords", "out_coords", "_in_order", "table", "counts", "_out_order"):
         setattr(m, name, like(getattr(m, name), in_coords))
     m.stats = {key: like(v, in_coords) if hasattr(v, "shape") else v for key, v in m.stats.items()}

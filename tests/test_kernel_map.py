@@ -196,6 +196,25 @@ def test_batches_never_mix(rng):
     assert np.array_equal(m.table[:, n:], np.where(single.table >= 0, single.table + n, -1))
 
 
+def test_backward_kernel_across_thread_blocks(rng):
+    """More lanes than one thread block holds: the first lane of every thread block
+    searches its start itself (its left neighbour's end lives in another block)."""
+    c = random_coords(rng, 1500, span=12)
+    offs = cv.kernel_offsets(3)
+    skeys = np.sort(cv.pack_keys(c, offs.min(0), offs.max(0)))
+    deltas = cv.key_delta(offs)
+    B, C = 32, 16
+    bounds_r, _ = backward_search_reference(skeys, skeys, deltas, B)
+    assert bounds_r.size - len(deltas) > 3 * 256  # lanes: several thread blocks
+    upper = max_balanced_blocks(len(deltas), len(skeys), len(skeys), B, C)
+    dkeys, ddeltas = to_device(skeys), to_device(deltas)
+    bounds_k, rows_k, n_rows = backward_search_cuda(dkeys, dkeys, ddeltas, B, C, upper)
+    assert np.array_equal(to_host(bounds_k), bounds_r)
+    rows_r = split_query_blocks_reference(bounds_r, C)
+    got = to_host(rows_k)[: int(to_host(n_rows)[0])]
+    assert np.array_equal(got[np.lexsort(got.T[::-1])], rows_r)
+
+
 def test_stages_kernel_equals_reference(rng):
     """Stages 5 and 6 separately: bounds, balanced rows, and the upper-bound launch
     whose surplus blocks must leave without writing."""
@@ -273,6 +292,14 @@ def test_given_out_coords(rng):
     assert_matches_oracle(r, c, oracle_map(c, 3, out_coords=out))
     assert np.array_equal(r.out_coords, out[r.out_order])
     assert_same_map(k, r)
+    # only one side out of order: the kernel path finds out from its report, sorts
+    # that side alone and searches again
+    srt_c, srt_out = c[np.lexsort(c.T[::-1])], out[np.lexsort(out.T[::-1])]
+    for cin, cout, which in ((srt_c, out, "out"), (c, srt_out, "in")):
+        r = ns.build_kernel_map(cin, 3, out_coords=cout, backend="reference", source_block=32, query_block=16)
+        k = ns.build_kernel_map(cin, 3, out_coords=cout, backend="cuda", source_block=32, query_block=16)
+        assert_same_map(k, r)
+        assert k.stats["sorted_on_device"], which  # assert_same_map compared both orders
 
 
 # ------------------------------------------------------------------ real scans
@@ -409,6 +436,8 @@ def test_sorted_input_needs_no_sort(rng, backend):
     b = ns.build_kernel_map(c, 3, backend=backend, source_block=32, query_block=16)
     assert np.array_equal(a.in_order, np.arange(len(c)))
     assert not np.array_equal(b.in_order, np.arange(len(c)))  # the shuffled copy was sorted
+    if backend == "cuda":  # the optimistic search was confirmed, or redone after a sort
+        assert a.stats["sorted_on_device"] is False and b.stats["sorted_on_device"] is True
     for name in ("in_coords", "table", "counts"):
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
     # one swapped pair of rows is enough to need the sort
