@@ -106,7 +106,8 @@ class KernelMap:
     counts_host: np.ndarray = field(default=None, repr=False)  # host copy of counts, once read
     # Device int32 (K, ceil(|Q| / chunk)): pairs per offset and chunk of outputs, counted
     # by the forward search for the metadata stage (None when not known: reference maps,
-    # transposed maps). The chunk is numba_sc.metadata.chunk_size() of the machine.
+    # transposed maps). The chunk is numba_sc.metadata.chunk_size() of the machine. On a
+    # GPU it is a numba_sc.backend.Piece (a kernel argument; .get() reads it).
     chunk_counts: object = field(default=None, repr=False)
     chunk: int = field(default=None, repr=False)  # outputs per chunk of chunk_counts
 
