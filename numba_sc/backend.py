@@ -174,11 +174,12 @@ class Piece:
     :func:`piece` returns plain NumPy views instead.
     """
 
-    __slots__ = ("base", "ptr", "shape", "strides", "dtype", "size", "itemsize", "ndim", "__weakref__")
+    __slots__ = ("base", "offset", "ptr", "shape", "strides", "dtype", "size", "itemsize", "ndim", "__weakref__")
     _c_contiguous = True
 
     def __init__(self, base, offset, shape, dtype):
-        self.base, self.ptr, self.dtype, self.itemsize = base, base.data.ptr + offset, dtype, dtype.itemsize
+        self.base, self.offset, self.ptr = base, offset, base.data.ptr + offset
+        self.dtype, self.itemsize = dtype, dtype.itemsize
         self.shape, self.ndim = shape, len(shape)
         size, strides = 1, ()
         for n in reversed(shape):
@@ -199,7 +200,7 @@ class Piece:
         """The same memory as a CuPy array (a CuPy call costs what a piece saves)."""
         import cupy
 
-        return cupy.ndarray(self.shape, self.dtype, self.base.data + (self.ptr - self.base.data.ptr))
+        return cupy.ndarray(self.shape, self.dtype, self.base.data + self.offset)
 
     def get(self):
         """The piece's contents on the host (waits for the GPU, like CuPy's ``get``)."""

@@ -81,6 +81,21 @@ from .output_coords import output_coordinates
 from .sorting import sort_rows_cuda, sort_rows_reference
 
 
+def _lazy_identity(stored, coords, doc):
+    """A property that reads ``self.<stored>`` and, when that is None (the identity),
+    makes the identity permutation of ``self.<coords>``' rows once, on the same side."""
+    def get(self):
+        if getattr(self, stored) is None:
+            c = getattr(self, coords)
+            setattr(self, stored, cv._xp_of(c).arange(c.shape[0], dtype=np.int64))
+        return getattr(self, stored)
+
+    def set(self, value):
+        setattr(self, stored, value)
+
+    return property(get, set, doc=doc)
+
+
 @dataclass
 class KernelMap:
     """The kernel map of one layer and the layer facts the GMaS step needs.
@@ -115,27 +130,10 @@ class KernelMap:
     # always the case inside a network (every stage hands out sorted coordinates).
     # The kernel path then stores None and makes the arange only if someone reads
     # it: a library arange costs a launch, ~20-40 us of host time per layer.
-    @property
-    def in_order(self):
-        """int64 (|P|,): ``in_coords == caller_in_coords[in_order]``."""
-        if self._in_order is None:
-            self._in_order = _identity(self.in_coords)
-        return self._in_order
-
-    @in_order.setter
-    def in_order(self, value):
-        self._in_order = value
-
-    @property
-    def out_order(self):
-        """int64 (|Q|,): ``out_coords == caller_out_coords[out_order]``."""
-        if self._out_order is None:
-            self._out_order = _identity(self.out_coords)
-        return self._out_order
-
-    @out_order.setter
-    def out_order(self, value):
-        self._out_order = value
+    in_order = _lazy_identity("_in_order", "in_coords",
+                              "int64 (|P|,): ``in_coords == caller_in_coords[in_order]``.")
+    out_order = _lazy_identity("_out_order", "out_coords",
+                               "int64 (|Q|,): ``out_coords == caller_out_coords[out_order]``.")
 
     def host_counts(self) -> np.ndarray:
         """``counts`` on the host (int64), read from the device at most once.
@@ -188,11 +186,6 @@ class KernelMap:
             {"transposed_from": dict(self.stats)}, self.kernel_size, self.stride, self.dilation,
             self.out_tensor_stride, self.tensor_stride, self._in_order, not self.is_transposed,
             None if self.counts_host is None else self.counts_host[::-1].copy())
-
-
-def _identity(coords):
-    """The identity permutation of ``coords``' rows, as int64 on the same side."""
-    return cv._xp_of(coords).arange(coords.shape[0], dtype=np.int64)
 
 
 # -------------------------------------------------------------- shared steps
@@ -377,7 +370,7 @@ class _Work:
     """
 
     def __init__(self, K, h, P, Q, B, C, chunk, two_sides):
-        self.n_chunks = -(-Q // chunk)
+        self.K, self.chunk, self.n_chunks = K, chunk, -(-Q // chunk)
         self.upper = max_balanced_blocks(h, P, Q, B, C)
         nb = num_source_blocks(P, B)
         R = REPORT_ROWS + 1 + K
@@ -387,9 +380,7 @@ class _Work:
         buf = self.report
         self.report_read = piece(buf, 0, (R,), np.int64)  # what to_host reads: the report alone
         self.flags_in = piece(buf, 8 * REPORT_IN, (3,), np.int64)
-        self.flags_out = piece(buf, 8 * REPORT_OUT, (3,), np.int64)
-        self.repeats_in = piece(buf, 8 * (REPORT_IN + 2), (1,), np.int64)  # counted by the sort path
-        self.repeats_out = piece(buf, 8 * (REPORT_OUT + 2), (1,), np.int64)
+        self.flags_out = piece(buf, 8 * REPORT_OUT, (3,), np.int64) if two_sides else None
         self.n_rows = piece(buf, 8 * REPORT_ROWS, (1,), np.int64)
         self.counts = piece(buf, 8 * (REPORT_ROWS + 1), (K,), np.int64)
         self.chunk_counts = piece(buf, starts[1], (K, self.n_chunks), np.int32)
@@ -398,9 +389,14 @@ class _Work:
         self.bounds = piece(buf, starts[4], (h, nb + 1), np.int64)
         self.rows = piece(buf, starts[5], (max(self.upper, 1), 4), np.int32)
 
-    def counts_array(self, K):
-        """``report[REPORT_ROWS + 1:][:K]`` as a real array: the map's ``counts``."""
-        return self.report[REPORT_ROWS + 1:REPORT_ROWS + 1 + K]
+    def repeats(self, slot):
+        """The repeated-rows slot of side ``slot`` (REPORT_IN / REPORT_OUT), which the
+        sort path counts into; made only there (a piece costs host time)."""
+        return piece(self.report, 8 * (slot + 2), (1,), np.int64)
+
+    def counts_array(self):
+        """The pairs per offset as a real array (a view of the report): the map's ``counts``."""
+        return self.report[REPORT_ROWS + 1:REPORT_ROWS + 1 + self.K]
 
 
 def _search_cuda(skeys, qkeys, d_deltas, K, B, C, work):
@@ -412,16 +408,18 @@ def _search_cuda(skeys, qkeys, d_deltas, K, B, C, work):
     backward_search_cuda(skeys, qkeys, d_deltas, B, C, work.upper, work.n_rows, work.bounds, work.rows)  # stage 5
     grid = min(int(work.n_rows[0]), work.upper) if simulating() else work.upper
     table, _, _ = forward_search_cuda(skeys, qkeys, d_deltas, work.rows, work.n_rows, B, C, grid, work.counts,
-                                      n_offsets=K, chunk=chunk_size(), chunk_counts=work.chunk_counts)  # stage 6
+                                      n_offsets=K, chunk=work.chunk, chunk_counts=work.chunk_counts)  # stage 6
     return table, to_host(work.report_read), grid
 
 
 def _check_report(report, sides):
     """Raise the first error the report records. ``sides``: (slot, coords, reach,
-    name, assume_sorted) for each packed array."""
-    for slot, coords, reach, name, assume_sorted in sides:
+    name, assume_sorted) for each packed array. Range errors of every side come
+    first: no sort can fix them (and an out-of-range row also looks unsorted)."""
+    for slot, coords, reach, name, _ in sides:
         if report[slot + cv.FLAG_RANGE]:
             cv.raise_range_error(coords, reach[0], reach[1], name)
+    for slot, coords, reach, name, assume_sorted in sides:
         if assume_sorted and report[slot + cv.FLAG_UNSORTED]:
             raise _unsorted_error(name)
         if report[slot + 2]:
@@ -436,7 +434,7 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     Optimistic about the order: coordinates are packed and searched as if they
     were sorted and unique - what every stage of this package hands out - and
     the pack kernel's flags come back with the one final report. Only when a
-    flag says otherwise does the library sort run (:func:`_sort_side`), followed
+    flag says otherwise does the library sort run (:func:`numba_sc.sorting.sort_rows_cuda`), followed
     by a second search; the first one was wasted, which costs unsorted input one
     extra search but saves sorted input a device->host read in the middle of
     the step (a sync that leaves the GPU idle while the host catches up).
@@ -471,21 +469,18 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
         qkeys = work.keys_out
         cv.launch_pack(out_sorted, *query_reach, qkeys, work.flags_out)
     table, rep, grid = _search_cuda(skeys, qkeys, d_deltas, K, B, C, work)
-    for slot, coords, reach, name, _ in sides:  # range errors first: no sort can fix them
-        if rep[slot + cv.FLAG_RANGE]:
-            cv.raise_range_error(coords, reach[0], reach[1], name)
-    _check_report(rep, sides)  # an unsorted array the caller vouched for
+    _check_report(rep, sides)  # out of range; or unsorted, where the caller vouched for the order
     unsorted_in = bool(rep[REPORT_IN + cv.FLAG_UNSORTED])
     unsorted_out = not submanifold and bool(rep[REPORT_OUT + cv.FLAG_UNSORTED])
     if unsorted_in or unsorted_out:  # stage 3 after all: sort, then search again
         old, work = work, _Work(K, h, P, Q, B, C, chunk_size(), not submanifold)
         skeys, qkeys = as_array(old.keys_in), as_array(old.keys_out)
         if unsorted_in:
-            skeys, in_order, in_sorted = sort_rows_cuda(skeys, in_sorted, work.repeats_in)
+            skeys, in_order, in_sorted = sort_rows_cuda(skeys, in_sorted, work.repeats(REPORT_IN))
         if submanifold:
             qkeys, out_sorted = skeys, in_sorted
         elif unsorted_out:
-            qkeys, out_order, out_sorted = sort_rows_cuda(qkeys, out_sorted, work.repeats_out)
+            qkeys, out_order, out_sorted = sort_rows_cuda(qkeys, out_sorted, work.repeats(REPORT_OUT))
         table, rep, grid = _search_cuda(skeys, qkeys, d_deltas, K, B, C, work)
         _check_report(rep, [(slot, c, r, n, False) for slot, c, r, n, _ in sides])  # repeated rows
     counts_host = rep[REPORT_ROWS + 1:].copy()
@@ -501,10 +496,10 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
         "forward_grid_upper_bound": work.upper, "forward_grid_launched": grid,
         "sorted_on_device": unsorted_in or unsorted_out,
     }
-    m = _finish(in_sorted, out_sorted, in_order, offsets, table, work.counts_array(K), stats,
+    m = _finish(in_sorted, out_sorted, in_order, offsets, table, work.counts_array(), stats,
                 ks, st, dil, ts, out_order)
     m.counts_host = counts_host
-    m.chunk_counts, m.chunk = work.chunk_counts, chunk_size()
+    m.chunk_counts, m.chunk = work.chunk_counts, work.chunk
     return m
 
 
