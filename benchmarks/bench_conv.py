@@ -137,17 +137,17 @@ def bench_numba_sc(coords, cin, cout, dtype, args, rec):
                                                        tile_size=tiles), args.warmup, args.reps, ev)
     # per stage, on prepared arrays
     f, wd, km2, plan = _prepare_layer(x, w, 3, 1, 1, False, km, "cuda")
-    ibuf = gather_cuda(f, plan.in_table, plan.rows, tiles[0])
+    ibuf = gather_cuda(f, plan.in_lists, plan.rows, tiles[0])
     obuf = cupy.empty((plan.rows, cout), dtype=dtype)
     init = centre_product_cuda(f, wd, plan.centre) if plan.centre >= 0 else None
     stages = {
         "map": lambda: build_kernel_map(x.coords, 3, backend="cuda", assume_sorted=True),
         "metadata": lambda: build_plan(km, backend="cuda"),
         "centre": (lambda: centre_product_cuda(f, wd, plan.centre)) if plan.centre >= 0 else None,
-        "gather": lambda: gather_cuda(f, plan.in_table, plan.rows, tiles[0]),
+        "gather": lambda: gather_cuda(f, plan.in_lists, plan.rows, tiles[0]),
         "gemm": lambda: grouped_gemm_cuda(ibuf, wd, plan.groups, obuf),
         # with init: the same read-add-write a real layer does (values drift; harmless)
-        "scatter": lambda: scatter_cuda(obuf, plan.out_table, init, plan.out_table.shape[0],
+        "scatter": lambda: scatter_cuda(obuf, plan.out_lists, init, plan.n_out,
                                         cout, dtype, tiles[1]),
     }
     rec["stages"] = {}

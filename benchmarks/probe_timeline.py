@@ -226,7 +226,7 @@ def micro(ns, clouds):
             w = cupy.asarray(rng.normal(size=(27, ch, ch)).astype(np.float32))
             km = ns.build_kernel_map(x.coords, 3, assume_sorted=True)
             fd, wd, km2, plan = _prepare_layer(x, w, 3, 1, 1, False, km, "cuda")
-            ibuf = gather_cuda(fd, plan.in_table, plan.rows, 8)
+            ibuf = gather_cuda(fd, plan.in_lists, plan.rows, 8)
             obuf = cupy.empty((plan.rows, ch), cupy.float32)
             for streams in (1, 4):
                 fn = lambda: gg.grouped_gemm_cuda(ibuf, wd, plan.groups, obuf, streams=streams)  # noqa: E731

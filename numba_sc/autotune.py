@@ -113,10 +113,10 @@ def search_tiles(samples, c_out, timer, rounds=5):
     timings = {"gather": {}, "scatter": {}}
     for t in divisors(c_in):
         timings["gather"][t] = sum(
-            timer(lambda f=f, p=p: gather_cuda(f, p.in_table, p.rows, t)) for f, p in samples)
+            timer(lambda f=f, p=p: gather_cuda(f, p.in_lists, p.rows, t)) for f, p in samples)
     for t in divisors(c_out):
         timings["scatter"][t] = sum(
-            timer(lambda o=o, p=p: scatter_cuda(o, p.out_table, None, p.out_table.shape[0],
+            timer(lambda o=o, p=p: scatter_cuda(o, p.out_lists, None, p.n_out,
                                                  c_out, dtype, t))
             for (_, p), o in zip(samples, obufs))
     best = {s: min(d, key=d.get) for s, d in timings.items()}  # ties: the smaller tile

@@ -260,7 +260,7 @@ def gmas(features, weight, plan, tiles=(1, 1), backend=None):
     Returns (|Q|, C_out) features on the backend's side.
     """
     bk = resolve_backend(backend)
-    n_out = plan.out_table.shape[0]
+    n_out = plan.n_out
     c_out = weight.shape[2]
     if bk == "reference":
         init = gg.matmul(features, weight[plan.centre]) if plan.centre >= 0 else None
@@ -271,10 +271,10 @@ def gmas(features, weight, plan, tiles=(1, 1), backend=None):
     xp = device_xp()
     features, weight = to_device(features), to_device(weight)  # no-ops when already there
     init = gg.centre_product_cuda(features, weight, plan.centre) if plan.centre >= 0 else None
-    ibuf = gather_cuda(features, plan.in_table, plan.rows, tiles[0])
+    ibuf = gather_cuda(features, plan.in_lists, plan.rows, tiles[0])
     obuf = xp.empty((plan.rows, c_out), dtype=features.dtype)  # padding rows: never read
     gg.grouped_gemm_cuda(ibuf, weight, plan.groups, obuf)
-    return scatter_cuda(obuf, plan.out_table, init, n_out, c_out, features.dtype, tiles[1])
+    return scatter_cuda(obuf, plan.out_lists, init, n_out, c_out, features.dtype, tiles[1])
 
 
 def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False,
@@ -311,7 +311,7 @@ def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=Fal
     bk = resolve_backend(backend)
     f, w, km, plan = _prepare_layer(x, weight, kernel_size, stride, dilation, transposed,
                                     kernel_map, bk, sort_offsets, max_padding, solo_rows)
-    n_out = plan.out_table.shape[0]
+    n_out = plan.n_out
     tiles = resolve_tiles(tile_size, w.shape[1], w.shape[2], f.shape[0], n_out, f.dtype,
                           w.shape[0], transposed, layer)
     out = gmas(f, w, plan, tiles, bk)

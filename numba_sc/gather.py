@@ -42,6 +42,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from .backend import device_xp, launch, resolve_backend, simulating, to_device
+from .metadata import PointLists, lists_from_table
 
 
 def check_tile(tile, channels, name="tile_size", what="channels"):
@@ -76,22 +77,7 @@ def gather_reference(features, in_table, rows, tile=None):
 
 
 # -------------------------------------------------------------------- kernels
-AHEAD = 8  # table entries a thread reads before using the first of them
-
-
-@cuda.jit(device=True, inline=True)
-def read_ahead(table, k0, p, ahead):
-    """``ahead[u] = table[k0 + u, p]`` for the next AHEAD offsets (-1 past the last).
-
-    Why: in the offset-major table the entries of one point lie |P| * 4 bytes
-    apart, each in a cache line of its own. Read one at a time, each read waits
-    for memory before the thread can test it (the store that may follow could
-    alias the table, so the compiler keeps them in order): K round trips per
-    thread. This constant-length loop is unrolled and its loads are independent,
-    so AHEAD of them are in flight at once.
-    """
-    for u in range(AHEAD):
-        ahead[u] = table[k0 + u, p] if k0 + u < table.shape[0] else -1
+FIRST_ROWS = 4  # list entries read at once with the list's length (gather and scatter)
 
 
 @lru_cache(maxsize=None)
@@ -100,47 +86,58 @@ def gather_kernel(tile: int):
     tile lives in registers: ``cuda.local.array`` needs a constant length)."""
 
     @cuda.jit
-    def gather(features, in_table, buf):
-        """``in_table`` is offset-major here, (K, |P|) (see :mod:`numba_sc.metadata`)."""
+    def gather(features, in_count, in_slots, buf):
+        """Input j's rows are ``in_slots[:in_count[j], j]`` (:class:`numba_sc.metadata.PointLists`)."""
         t = cuda.grid(1)
         tiles = features.shape[1] // tile
         if t < features.shape[0] * tiles:
             p = t // tiles  # neighbouring threads take neighbouring tiles of one point:
             c0 = (t - p * tiles) * tile  # their loads and stores are contiguous
-            v = cuda.local.array(tile, float32)  # fp32 holds fp16 exactly: no rounding
-            ahead = cuda.local.array(AHEAD, int32)
-            loaded = False
-            for k0 in range(0, in_table.shape[0], AHEAD):
-                read_ahead(in_table, k0, p, ahead)
-                for u in range(AHEAD):
-                    row = ahead[u]  # the same entry for all tiles of p (Algorithm 1, line 5)
-                    if row >= 0:
-                        if not loaded:
-                            # Load the tile only for a point that feeds some pair: in a
-                            # sparse cloud most points have none outside the centre
-                            # (about 2 in 3 of 1M random voxels in 400^3).
-                            for c in range(tile):
-                                v[c] = features[p, c0 + c]
-                            loaded = True
+            # The first FIRST_ROWS entries of the list are read together with its
+            # length, before anyone knows how many are real: one wait for memory
+            # instead of two in a row (length, then rows). Entries past the length
+            # are whatever the memory held; they are never used.
+            first = cuda.local.array(FIRST_ROWS, int32)
+            for u in range(FIRST_ROWS):  # constant trip count: unrolled, kept in registers
+                first[u] = in_slots[u, p] if u < in_slots.shape[0] else -1
+            n = in_count[p]  # the same entry for all tiles of p (Algorithm 1, line 5)
+            if n > 0:
+                # A point with no pair outside the centre (about 2 in 3 of 1M random
+                # voxels in 400^3) has its features never read.
+                v = cuda.local.array(tile, float32)  # fp32 holds fp16 exactly: no rounding
+                for c in range(tile):
+                    v[c] = features[p, c0 + c]
+                # only the offsets that have a pair (Algorithm 1, line 4): the rows
+                # already read, then (rarely) the rest of the list
+                for u in range(FIRST_ROWS):
+                    if u < n:
                         for c in range(tile):
-                            buf[row, c0 + c] = v[c]
+                            buf[first[u], c0 + c] = v[c]
+                for s in range(FIRST_ROWS, n):
+                    row = in_slots[s, p]
+                    for c in range(tile):
+                        buf[row, c0 + c] = v[c]
 
     return gather
 
 
-def gather_cuda(features, in_table, rows, tile):
-    """Device version: one launch of :func:`gather_kernel` for all offsets."""
+def gather_cuda(features, in_lists, rows, tile):
+    """Device version: one launch of :func:`gather_kernel` for all offsets.
+
+    ``in_lists``: a plan's :class:`~numba_sc.metadata.PointLists` (``plan.in_lists``),
+    or a dense (|P|, K) input table, which is packed into lists first.
+    """
     xp = device_xp()
     f = to_device(features)
+    if not isinstance(in_lists, PointLists):
+        in_lists = lists_from_table(to_device(in_lists))
     # Padding rows stay unwritten on the GPU (saves a memset of the whole buffer).
     # Under the simulator they are zeroed, only so that NumPy never sees garbage
     # that could trip an overflow warning in the fp16 GEMM.
     buf = (xp.zeros if simulating() else xp.empty)((rows, f.shape[1]), dtype=f.dtype)
     if rows:
-        # in_table is (|P|, K); the kernel wants its offset-major transpose. For a
-        # plan's table (an (N, K) view of a (K, N) array) .T is that array itself.
         launch(gather_kernel(tile), f.shape[0] * (f.shape[1] // tile), f,
-               to_device(xp.asarray(in_table).T), buf)
+               to_device(in_lists.count), to_device(in_lists.slots), buf)
     return buf
 
 

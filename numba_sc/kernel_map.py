@@ -76,7 +76,7 @@ from .backend import (as_array, device_xp, filled, is_cupy, like, piece, resolve
 from .backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backward_search_cuda, backward_search_reference, check_block_sizes,
                               max_balanced_blocks, num_source_blocks, split_query_blocks_reference)
 from .forward_search import forward_search_cuda, forward_search_reference, mirror_reference
-from .metadata import chunk_size
+from .metadata import MASK_BITS, chunk_size
 from .output_coords import output_coordinates
 from .sorting import sort_rows_cuda, sort_rows_reference
 
@@ -125,6 +125,10 @@ class KernelMap:
     # GPU it is a numba_sc.backend.Piece (a kernel argument; .get() reads it).
     chunk_counts: object = field(default=None, repr=False)
     chunk: int = field(default=None, repr=False)  # outputs per chunk of chunk_counts
+    # Device int64 (ceil(K / 32), |Q|): bit k % 32 of masks[k // 32, i] is set when
+    # output i has a pair through offset k; set by the forward search for the metadata
+    # stage (None when not known, as for chunk_counts). A Piece on a GPU.
+    masks: object = field(default=None, repr=False)
 
     # The orders are the identity whenever the coordinates came in sorted, which is
     # always the case inside a network (every stage hands out sorted coordinates).
@@ -361,6 +365,8 @@ class _Work:
 
         report        REPORT_ROWS + 1 + K   the flags, the row count, pairs per offset
         chunk_counts  K * n_chunks int32     pairs per offset and chunk of outputs
+        masks         W * |Q|                which offsets have a pair at each output
+                                             (W = ceil(K / MASK_BITS) words per output)
         keys          |P| (+ |Q|)            packed input (and output) keys
         bounds        h * (nblocks + 1)      query block borders
         rows          upper * 4 int32        balanced query blocks
@@ -374,7 +380,9 @@ class _Work:
         self.upper = max_balanced_blocks(h, P, Q, B, C)
         nb = num_source_blocks(P, B)
         R = REPORT_ROWS + 1 + K
-        words = [R, -(-K * self.n_chunks // 2), P, Q if two_sides else 0, h * (nb + 1), 2 * max(self.upper, 1)]
+        W = -(-K // MASK_BITS)
+        words = [R, -(-K * self.n_chunks // 2), P, Q if two_sides else 0, h * (nb + 1), 2 * max(self.upper, 1),
+                 W * Q]
         starts = [8 * w for w in accumulate(words, initial=0)]  # byte offsets (Python ints: cheap)
         self.report = filled(starts[-1] // 8, np.int64, 0)
         buf = self.report
@@ -388,6 +396,7 @@ class _Work:
         self.keys_out = piece(buf, starts[3], (Q,), np.int64) if two_sides else self.keys_in
         self.bounds = piece(buf, starts[4], (h, nb + 1), np.int64)
         self.rows = piece(buf, starts[5], (max(self.upper, 1), 4), np.int32)
+        self.masks = piece(buf, starts[6], (W, Q), np.int64)
 
     def repeats(self, slot):
         """The repeated-rows slot of side ``slot`` (REPORT_IN / REPORT_OUT), which the
@@ -408,7 +417,8 @@ def _search_cuda(skeys, qkeys, d_deltas, K, B, C, work):
     backward_search_cuda(skeys, qkeys, d_deltas, B, C, work.upper, work.n_rows, work.bounds, work.rows)  # stage 5
     grid = min(int(work.n_rows[0]), work.upper) if simulating() else work.upper
     table, _, _ = forward_search_cuda(skeys, qkeys, d_deltas, work.rows, work.n_rows, B, C, grid, work.counts,
-                                      n_offsets=K, chunk=work.chunk, chunk_counts=work.chunk_counts)  # stage 6
+                                      n_offsets=K, chunk=work.chunk, chunk_counts=work.chunk_counts,
+                                      masks=work.masks)  # stage 6
     return table, to_host(work.report_read), grid
 
 
@@ -499,7 +509,7 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     m = _finish(in_sorted, out_sorted, in_order, offsets, table, work.counts_array(), stats,
                 ks, st, dil, ts, out_order)
     m.counts_host = counts_host
-    m.chunk_counts, m.chunk = work.chunk_counts, work.chunk
+    m.chunk_counts, m.chunk, m.masks = work.chunk_counts, work.chunk, work.masks
     return m
 
 

@@ -108,6 +108,71 @@ from .backend import device_xp, filled, launch, resolve_backend, simulating, to_
 
 
 @dataclass
+class PointLists:
+    """Every point's buffer rows, packed: ``rows[n, :count[n]]`` (the rest unspecified).
+
+    The compact form of an input or output table (PCEngine's idea of keeping the
+    kernel map as compressed rows; Minuet names it as one that combines with its
+    own, Section 6). A thread of the gather or scatter walks ``count[n]`` entries
+    - the pairs its point really has - instead of all K of a dense table row, most
+    of them -1 on a sparse cloud (2 in 3 points of 1M random voxels in 400^3 have
+    no pair outside the centre).
+
+    Output lists are in offset order (the scatter sums in that order: the same
+    result every run). Input lists are in the order the kernel's threads claimed
+    their slots, which varies from run to run; the gather copies the same row to
+    the same places whatever the order, so its result does not.
+
+    Stored slot-major, ``slots`` (K, N) C-contiguous, ``slots[s, n]`` = entry s of
+    point n; ``rows`` is its (N, K) transposed view. Why: the threads of a warp
+    work on neighbouring points and read entry s of each at the same time, which
+    slot-major are neighbouring addresses (one memory sector for 8 points). In
+    the (N, K) layout they lay K * 4 bytes apart, a sector each: on the H100 the
+    gather of a SemanticKITTI layer took 74 us that way against 46 us for the
+    old dense, offset-major table (Nsight Compute).
+    """
+
+    count: object  # int32 (N,): pairs of each point
+    slots: object  # int32 (K, N): slots[s, n] = point n's entry s (s < count[n]), else anything
+
+    @property
+    def rows(self):
+        """int32 (N, K) view: ``rows[n, :count[n]]`` are point n's buffer rows."""
+        return self.slots.T
+
+    def __len__(self):
+        return int(self.count.shape[0])
+
+
+def lists_from_table(table) -> PointLists:
+    """A dense (N, K) table of rows or -1 -> :class:`PointLists` in offset order
+    (either array kind). Stable: each point's entries keep their offset order."""
+    xp = device_xp() if not isinstance(table, np.ndarray) else np
+    table = xp.asarray(table)
+    K = table.shape[1]
+    count = (table >= 0).sum(axis=1).astype(np.int32)
+    k = xp.arange(K, dtype=np.int32)
+    # valid entries first, each group in offset order: sort by (missing, k)
+    key = xp.where(table >= 0, k[None, :], K + k[None, :])
+    rows = xp.take_along_axis(table, xp.argsort(key, axis=1), axis=1)
+    return PointLists(count, xp.ascontiguousarray(rows.T.astype(np.int32)))
+
+
+def table_from_lists(lists: PointLists, row_offset, K: int):
+    """The dense (N, K) table again: ``table[n, row_offset[r]] = r`` for each row r of
+    point n, -1 elsewhere. ``row_offset`` (rows,) is the offset of each buffer row."""
+    count, rows = lists.count, lists.rows
+    xp = np if isinstance(count, np.ndarray) else device_xp()
+    n_pts = int(count.shape[0])
+    table = xp.full((n_pts, K), -1, dtype=np.int32)
+    if n_pts and K:
+        n, s = xp.nonzero(xp.arange(K)[None, :] < count[:, None])
+        r = rows[n, s]
+        table[n, xp.asarray(row_offset)[r]] = r
+    return table
+
+
+@dataclass
 class GmasPlan:
     """Everything the gather, GEMMs and scatter need for one layer."""
 
@@ -117,14 +182,51 @@ class GmasPlan:
     base: np.ndarray  # host int64 (K,): first buffer row of each offset, or -1
     rows: int  # buffer rows, padding included
     centre: int  # offset multiplied directly (submanifold), or -1
-    in_table: object  # int32 (|P|, K) buffer rows or -1 (host or device)
-    out_table: object  # int32 (|Q|, K) buffer rows or -1 (host or device)
+    in_lists: PointLists  # each input's buffer rows (host or device)
+    out_lists: PointLists  # each output's buffer rows, in offset order (host or device)
     policy: tuple = (gg.DEFAULT_MAX_PADDING, gg.DEFAULT_SOLO_ROWS)  # (max_padding, solo_rows)
     _report: dict = field(default=None, repr=False)
+    _tables: dict = field(default_factory=dict, repr=False)
 
     @property
     def launches(self) -> int:
         return len(self.groups)
+
+    @property
+    def n_in(self) -> int:
+        return len(self.in_lists)
+
+    @property
+    def n_out(self) -> int:
+        return len(self.out_lists)
+
+    @property
+    def row_offset(self) -> np.ndarray:
+        """Host int64 (rows,): the offset each buffer row belongs to, -1 for padding."""
+        ro = np.full(self.rows, -1, dtype=np.int64)
+        for g in self.groups:
+            for m, k in enumerate(g.members):
+                first = g.start + m * g.rows
+                ro[first:first + int(self.counts[k])] = k
+        return ro
+
+    def _table(self, side):
+        if side not in self._tables:
+            lists = self.in_lists if side == "in" else self.out_lists
+            self._tables[side] = table_from_lists(lists, self.row_offset, len(self.counts))
+        return self._tables[side]
+
+    @property
+    def in_table(self):
+        """Input table (|P|, K): ``in_table[j, k]`` = the buffer row input j is copied
+        to for offset k, or -1. The dense view of ``in_lists``, made on first use."""
+        return self._table("in")
+
+    @property
+    def out_table(self):
+        """Output table (|Q|, K): ``out_table[i, k]`` = the buffer row of output i's
+        partial result through offset k, or -1. The dense view of ``out_lists``."""
+        return self._table("out")
 
     @property
     def report(self) -> dict:
@@ -200,7 +302,10 @@ def build_plan_reference(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDI
     in_table = np.full((n_in, K), -1, dtype=np.int32)
     out_table[ii, kk] = rows_of_pair
     in_table[table[kk, ii], kk] = rows_of_pair
-    return GmasPlan(counts, order, groups, base, rows, centre, in_table, out_table, policy)
+    plan = GmasPlan(counts, order, groups, base, rows, centre, lists_from_table(in_table),
+                    lists_from_table(out_table), policy)
+    plan._tables.update(out=out_table, **{"in": in_table})  # the dense views, already made
+    return plan
 
 
 def chunk_counts_reference(table, chunk: int) -> np.ndarray:
@@ -212,6 +317,18 @@ def chunk_counts_reference(table, chunk: int) -> np.ndarray:
     hit = np.zeros((K, n_chunks * chunk), dtype=bool)  # padded with "no pair"
     hit[:, :n_out] = table >= 0
     return hit.reshape(K, n_chunks, chunk).sum(axis=2).astype(np.int32)
+
+
+def masks_reference(table) -> np.ndarray:
+    """int64 (ceil(K / MASK_BITS), |Q|): bit ``k % MASK_BITS`` of word ``k // MASK_BITS``
+    of column i set when ``table[k, i] >= 0`` (what :func:`masks_kernel` and the
+    forward search write)."""
+    hit = np.asarray(to_host(table)) >= 0
+    K, n_out = hit.shape
+    masks = np.zeros((-(-K // MASK_BITS), n_out), dtype=np.int64)
+    for k in range(K):
+        masks[k // MASK_BITS] |= hit[k].astype(np.int64) << (k % MASK_BITS)
+    return masks
 
 
 def chunk_rank_reference(counts2d) -> np.ndarray:
@@ -298,69 +415,158 @@ def chunk_counts_kernel(table, chunk, counts2d):
         counts2d[k, c] = total
 
 
+@cuda.jit(device=True)
+def _block_first_ranks(counts2d, k, c, n_hits, scan, first):
+    """Rank of this thread's first pair within offset k, for one block of chunk c.
+
+    That is the pairs of k in the chunks before c (``counts2d[k, :c].sum()``: each
+    thread adds a strided share into ``first[0]``) plus the pairs of the threads
+    before this one in the chunk: an exclusive scan of ``n_hits`` over the
+    block, done as a Hillis-Steele scan in shared memory - log2(threads) steps,
+    in step d every thread adds the value d places before it.
+
+    Why not one thread adding up the block's counts one by one: Nsight Compute
+    had that version of the lists kernel at 81 % of the SMs' issue rate on 1M
+    points, a third of its instructions spent by the one busy lane of each
+    serial loop while its warp waited.
+    """
+    t = cuda.threadIdx.x
+    share = 0
+    for cc in range(t, c, cuda.blockDim.x):
+        share += counts2d[k, cc]
+    if t == 0:
+        first[0] = 0
+    scan[t] = n_hits
+    cuda.syncthreads()  # first[0] is zeroed, every count is in
+    if share > 0:
+        cuda.atomic.add(first, 0, share)
+    d = 1
+    while d < cuda.blockDim.x:  # inclusive scan: scan[t] = n_hits of threads 0..t
+        v = scan[t - d] if t >= d else 0
+        cuda.syncthreads()  # everyone has read before anyone writes
+        scan[t] += v
+        cuda.syncthreads()  # ... and written before the next step reads
+        d *= 2
+    if cuda.blockDim.x == 1:
+        cuda.syncthreads()  # (no step ran: the share's atomic must still land first)
+    return first[0] + scan[t] - n_hits
+
+
+MASK_BITS = 32  # offsets per word of an output's mask
+AHEAD = 8  # table entries a thread reads before testing the first of them
+
+
 @cuda.jit
-def tables_kernel(table, counts2d, base, chunk, in_table, out_table):
-    """One block per (offset k, chunk c): the buffer row of every pair of k in chunk c.
+def masks_kernel(table, masks):
+    """One thread per output i: which offsets have a pair at i.
 
-    ``in_table`` and ``out_table`` are offset-major, (K, |P|) and (K, |Q|).
+    ``masks[w, i]`` has bit ``b`` set when ``table[32 w + b, i] >= 0``. A map from
+    the kernel path comes with its masks (the forward search set the bits where
+    it found the pairs); this pass is for maps from elsewhere. Neighbouring
+    threads read neighbouring entries of each table row (offset-major): one
+    full, coalesced read of the table. The reads come AHEAD at a time, all issued
+    before the first is tested, so that a thread waits for memory once per AHEAD
+    offsets instead of once per offset.
+    """
+    i = cuda.grid(1)
+    K = table.shape[0]
+    if i < table.shape[1]:
+        ahead = cuda.local.array(AHEAD, int32)
+        m = 0
+        for k0 in range(0, K, AHEAD):
+            for u in range(AHEAD):  # a constant-length loop: unrolled, loads in flight together
+                ahead[u] = table[k0 + u, i] if k0 + u < K else -1
+            for u in range(AHEAD):
+                k = k0 + u
+                if ahead[u] >= 0:
+                    m |= 1 << (k % MASK_BITS)
+                if k < K and (k % MASK_BITS == MASK_BITS - 1 or k == K - 1):
+                    masks[k // MASK_BITS, i] = m  # the word is complete
+                    m = 0
 
-    The rank of the chunk's first pair within offset k is the number of pairs of
-    k in chunks 0..c-1: ``counts2d[k, :c].sum()``, summed here by the block (each
-    thread a strided share, thread 0 adds the shares).
 
-    Why each thread owns a *contiguous* run of outputs: ranks follow the output
-    order, so when thread t's outputs all come after thread t - 1's, a thread's
-    first rank is the chunk's first rank plus the pairs of the threads before it,
-    one exclusive scan over the block. (With the usual strided ownership, output
-    t + s * threads, the ranks of the threads would interleave.)
+@cuda.jit(device=True)
+def _list_place(masks, buffered, k, i):
+    """``(slot, length)`` of pair (k, i) in output i's list: the buffered offsets
+    before k with a pair at i, and all of them (popcounts of i's masks, kept
+    to the bits of ``buffered``)."""
+    w = k // MASK_BITS
+    slot = cuda.popc(masks[w, i] & buffered[w] & ((1 << (k % MASK_BITS)) - 1))
+    n = 0
+    for v in range(masks.shape[0]):
+        bits = cuda.popc(masks[v, i] & buffered[v])
+        n += bits
+        if v < w:
+            slot += bits
+    return slot, n
+
+
+@cuda.jit
+def lists_kernel(table, counts2d, base, buffered, chunk, masks, in_count, in_slots, out_count, out_slots):
+    """One block per (offset k, chunk c): the buffer rows of the pairs of k in chunk c,
+    appended to the lists of their input and output.
+
+    Blocks are numbered with k varying fastest (block = c * K + k), so the K
+    blocks of a chunk run at about the same time and read the same part of the
+    table: what one reads, the others find in the L2 cache.
+
+    1. Rank: each thread counts the pairs of k among its run of 8 outputs, and
+       :func:`_block_first_ranks` turns the counts into the rank of its first
+       pair within offset k (ranks rise in output order: the block owns
+       consecutive outputs, each thread a contiguous run of them).
+    2. Row: pair number ``rank`` of offset k gets row ``base[k] + rank``.
+    3. Output list: the slot of (k, i) is the number of buffered offsets before
+       k with a pair at i, counted in i's masks (``buffered``: the bits of the
+       offsets in the buffers), so every output's list is in offset order,
+       whichever block runs first. Every pair of i writes the same length into
+       ``out_count[i]``; outputs without pairs keep the zero they start with.
+    4. Input list: an input is fed by pairs of many blocks, so its slot comes
+       from an atomic counter (``in_count`` starts at zero). The slot an entry
+       gets depends on timing; the set of entries does not, and neither does
+       what the gather does with them.
+
+    ``base[k]`` is the same for the whole block, so a block whose offset is not
+    in the buffers leaves together, before any barrier.
     """
     K = table.shape[0]
     k = cuda.blockIdx.x % K
     c = cuda.blockIdx.x // K
-    t = cuda.threadIdx.x
-    lo, hi = _thread_range(c, chunk, table.shape[1])
     first_row = base[k]
     if first_row < 0:
-        # Offset k is not in the buffers (no pairs, or the centre multiplied
-        # directly). base[k] is the same for the whole block, so the whole block
-        # leaves here together and nobody waits at a barrier below for it.
-        for i in range(lo, hi):
-            out_table[k, i] = -1  # every entry is written: out_table needs no fill
-        return
-    before = cuda.shared.array(MAX_THREADS, int32)  # shares of counts2d[k, :c]
+        return  # no pairs, or the centre multiplied directly
+    lo, hi = _thread_range(c, chunk, table.shape[1])
     scan = cuda.shared.array(MAX_THREADS, int32)
-    share = 0
-    for cc in range(t, c, cuda.blockDim.x):
-        share += counts2d[k, cc]
-    before[t] = share
-    scan[t] = _hits(table, k, lo, hi)
-    cuda.syncthreads()  # every thread's numbers are in before thread 0 adds them up
-    if t == 0:
-        # Sequential sums by thread 0. Why not a parallel (Hillis-Steele) scan: it
-        # takes log2(threads) steps of two barriers each (14 at 128 threads)
-        # against 128 additions here, and either is small next to the block's
-        # own memory reads (a thread's first load waits about half a
-        # microsecond). Under the simulator, where every CUDA thread is a Python
-        # thread, each barrier costs milliseconds per block.
-        first = 0
-        for u in range(cuda.blockDim.x):
-            first += before[u]
-        running = first
-        for u in range(cuda.blockDim.x):
-            n = scan[u]
-            scan[u] = running
-            running += n
-    cuda.syncthreads()  # the scan is written before anyone reads its entry
-    rank = scan[t]  # pairs of offset k before this thread's first output
+    first = cuda.shared.array(1, int32)
+    rank = _block_first_ranks(counts2d, k, c, _hits(table, k, lo, hi), scan, first)
     for i in range(lo, hi):  # the same outputs again, read a moment ago: likely still cached
         j = table[k, i]
         if j >= 0:
             row = first_row + rank
-            out_table[k, i] = row
-            in_table[k, j] = row  # j is distinct per i for a fixed k: no write race
             rank += 1
-        else:
-            out_table[k, i] = -1
+            slot, n = _list_place(masks, buffered, k, i)
+            out_slots[slot, i] = row
+            out_count[i] = n
+            s = cuda.atomic.add(in_count, j, 1)  # claim the next slot of input j
+            in_slots[s, j] = row
+
+
+def masks_cuda(table):
+    """int64 (ceil(K / MASK_BITS), |Q|): the offsets with a pair at each output (kernel)."""
+    table = to_device(table)
+    K, n_out = table.shape
+    masks = device_xp().empty((-(-K // MASK_BITS), n_out), dtype=np.int64)  # every word is written
+    if n_out:
+        launch(masks_kernel, n_out, table, masks)
+    return masks
+
+
+def buffered_bits(base) -> np.ndarray:
+    """int64 (ceil(K / MASK_BITS),): bit k % 32 of word k // 32 set when offset k is
+    in the buffers (``base[k] >= 0``)."""
+    base = np.asarray(base)
+    flags = np.zeros(-(-len(base) // MASK_BITS) * MASK_BITS, dtype=np.int64)
+    flags[:len(base)] = base >= 0
+    return (flags.reshape(-1, MASK_BITS) << np.arange(MASK_BITS)).sum(axis=1)
 
 
 def chunk_counts_cuda(table, threads: int | None = None):
@@ -379,7 +585,7 @@ def chunk_counts_cuda(table, threads: int | None = None):
 def build_plan_cuda(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
                     solo_rows=gg.DEFAULT_SOLO_ROWS, direct_centre=True,
                     threads: int | None = None) -> GmasPlan:
-    """Device version: count per chunk, one fill, the tables (two kernels, no sync).
+    """Device version: (count per chunk,) one fill, the lists (one kernel, no sync).
 
     ``threads``: threads per block, so chunks of ``threads * ITEMS_PER_THREAD``
     outputs (default :func:`metadata_threads`; the tests vary it).
@@ -392,15 +598,26 @@ def build_plan_cuda(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
     n_in = len(kernel_map.in_coords)
     chunk = chunk_size(threads)
     counts2d = getattr(kernel_map, "chunk_counts", None)  # counted by the forward search
+    masks = getattr(kernel_map, "masks", None)  # ... and so were these
     if counts2d is None or getattr(kernel_map, "chunk", None) != chunk:
         counts2d = chunk_counts_cuda(table, threads)  # a map from elsewhere: count them here
-    in_table = filled((K, n_in), np.int32, -1)  # offset-major; entries without a pair stay -1
-    out_table = device_xp().empty((K, n_out), dtype=np.int32)  # the kernel writes every entry
-    n_blocks = counts2d.size
-    launch(tables_kernel, n_blocks, table, counts2d, to_device_async(base.astype(np.int32)),
-           chunk, in_table, out_table, threads=threads, blocks=n_blocks)
-    # (N, K) views of the offset-major arrays: the shape the plan documents.
-    return GmasPlan(counts, order, groups, base, rows, centre, in_table.T, out_table.T, policy)
+    if masks is None or tuple(masks.shape) != (-(-K // MASK_BITS), n_out):
+        masks = masks_cuda(table)
+    xp = device_xp()
+    # Both counters start at zero, in one allocation: one fill.
+    count = filled((n_in + n_out,), np.int32, 0)
+    in_count, out_count = count[:n_in], count[n_in:]
+    # Rows past a point's count are never read: no fill. (N, K) is what a point
+    # could need at most; the memory is reserved, not touched.
+    in_slots = xp.empty((K, n_in), dtype=np.int32)
+    out_slots = xp.empty((K, n_out), dtype=np.int32)
+    if counts2d.size:
+        # base and the buffered offsets' bits, both int64, in one copy to the device
+        layout = to_device_async(np.concatenate([base, buffered_bits(base)]))
+        launch(lists_kernel, counts2d.size, table, counts2d, layout[:K], layout[K:], chunk, masks,
+               in_count, in_slots, out_count, out_slots, threads=threads, blocks=counts2d.size)
+    return GmasPlan(counts, order, groups, base, rows, centre, PointLists(in_count, in_slots),
+                    PointLists(out_count, out_slots), policy)
 
 
 def build_plan(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,

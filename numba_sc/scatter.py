@@ -31,7 +31,8 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from .backend import device_xp, launch, resolve_backend, to_device
-from .gather import AHEAD, check_tile, read_ahead
+from .gather import FIRST_ROWS, check_tile
+from .metadata import PointLists, lists_from_table
 
 
 # ------------------------------------------------------------------ reference
@@ -59,58 +60,58 @@ def scatter_kernel(tile: int):
     """The scatter kernel compiled for one tile size (constant: the tile is in registers)."""
 
     @cuda.jit
-    def scatter(obuf, out_table, has_init, out):
-        """``out_table`` is offset-major here, (K, |Q|) (see :mod:`numba_sc.metadata`)."""
+    def scatter(obuf, out_count, out_slots, has_init, out):
+        """Output q's rows are ``out_slots[:out_count[q], q]``, in offset order."""
         t = cuda.grid(1)
         tiles = out.shape[1] // tile
         if t < out.shape[0] * tiles:
             q = t // tiles  # as in the gather: neighbouring threads, neighbouring tiles
             c0 = (t - q * tiles) * tile
-            acc = cuda.local.array(tile, float32)  # fp32 accumulator, fp16 data or not
-            ahead = cuda.local.array(AHEAD, int32)
-            for c in range(tile):
-                acc[c] = float32(0.0)
-            found = False
-            for k0 in range(0, out_table.shape[0], AHEAD):
-                read_ahead(out_table, k0, q, ahead)  # the next AHEAD entries, in flight together
-                for u in range(AHEAD):
-                    row = ahead[u]  # shared by all tiles of q
-                    if row >= 0:
-                        if not found and has_init:
-                            # ``out`` already holds the centre product: start from it
-                            # (the same order of additions as the reference).
-                            for c in range(tile):
-                                acc[c] = out[q, c0 + c]
-                        found = True
+            first = cuda.local.array(FIRST_ROWS, int32)  # read with the length, as in the gather
+            for u in range(FIRST_ROWS):
+                first[u] = out_slots[u, q] if u < out_slots.shape[0] else -1
+            n = out_count[q]  # shared by all tiles of q
+            if n > 0 or not has_init:
+                # (an output without pairs keeps its centre product untouched: no
+                # read, no write - most of a sparse cloud's points)
+                acc = cuda.local.array(tile, float32)  # fp32 accumulator, fp16 data or not
+                for c in range(tile):
+                    # ``out`` already holds the centre product: start from it (the
+                    # same order of additions as the reference)
+                    acc[c] = out[q, c0 + c] if has_init else float32(0.0)
+                for u in range(FIRST_ROWS):  # offset order: the same sum, run after run
+                    if u < n:
                         for c in range(tile):
-                            acc[c] += obuf[row, c0 + c]
-            # An output without pairs keeps its centre product untouched: no read,
-            # no write (most of a sparse cloud's points); without a centre product
-            # it gets its zeros.
-            if found or not has_init:
+                            acc[c] += obuf[first[u], c0 + c]
+                for s in range(FIRST_ROWS, n):
+                    row = out_slots[s, q]
+                    for c in range(tile):
+                        acc[c] += obuf[row, c0 + c]
                 for c in range(tile):
                     out[q, c0 + c] = acc[c]  # the only write of this tile: no atomics
 
     return scatter
 
 
-def scatter_cuda(obuf, out_table, init=None, n_out=None, channels=None, dtype=None, tile=1):
+def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=None, tile=1):
     """Device version: one launch of :func:`scatter_kernel`.
 
-    When ``init`` (|Q|, C_out) is given it is used as the output array itself
-    (summed into in place), saving a separate addition.
+    ``out_lists``: a plan's :class:`~numba_sc.metadata.PointLists` (``plan.out_lists``),
+    or a dense (|Q|, K) output table, which is packed into lists first. When
+    ``init`` (|Q|, C_out) is given it is used as the output array itself (summed
+    into in place), saving a separate addition.
     """
     xp = device_xp()
-    ot = xp.asarray(out_table)  # (not to_device: it would copy an (N, K) view to row-major)
-    n_out = ot.shape[0] if n_out is None else n_out
+    if not isinstance(out_lists, PointLists):
+        out_lists = lists_from_table(to_device(out_lists))
+    n_out = len(out_lists) if n_out is None else n_out
     channels = obuf.shape[1] if channels is None else channels
     if init is not None:
         out = to_device(init)
     else:
         out = xp.empty((n_out, channels), dtype=dtype or obuf.dtype)
-    # the kernel wants the offset-major (K, |Q|) table: for a plan's (N, K) view, .T
-    launch(scatter_kernel(tile), n_out * (channels // tile), to_device(obuf), to_device(ot.T),
-           init is not None, out)
+    launch(scatter_kernel(tile), n_out * (channels // tile), to_device(obuf),
+           to_device(out_lists.count), to_device(out_lists.slots), init is not None, out)
     return out
 
 

@@ -130,7 +130,7 @@ def trace(coords, features, weight, kernel_size=3, stride=1, dilation=1, backend
                                 dtype=np.int64).reshape(-1, 3)
     t["input_metadata_table"] = to_host(plan.in_table)
     t["output_metadata_table"] = to_host(plan.out_table)
-    c_out, n_out = w.shape[2], plan.out_table.shape[0]
+    c_out, n_out = w.shape[2], plan.n_out
     init = gg.matmul(f, w[plan.centre]) if plan.centre >= 0 else None
     if bk == "reference":
         ibuf = gather_reference(f, plan.in_table, plan.rows)
@@ -139,10 +139,10 @@ def trace(coords, features, weight, kernel_size=3, stride=1, dilation=1, backend
         out = scatter_reference(obuf, plan.out_table, init, n_out, c_out, f.dtype)
     else:
         xp = device_xp()
-        ibuf = gather_cuda(f, plan.in_table, plan.rows, tile_size[0])
+        ibuf = gather_cuda(f, plan.in_lists, plan.rows, tile_size[0])
         obuf = xp.zeros((plan.rows, c_out), dtype=f.dtype)
         gg.grouped_gemm_cuda(ibuf, w, plan.groups, obuf)
-        out = scatter_cuda(obuf, plan.out_table, None if init is None else init.copy(),
+        out = scatter_cuda(obuf, plan.out_lists, None if init is None else init.copy(),
                            n_out, c_out, f.dtype, tile_size[1])
     # Padding rows are never written by the gather (the GEMM reads them as they
     # are); zero them for display so that two traces compare equal.

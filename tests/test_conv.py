@@ -22,13 +22,15 @@ from hypothesis import strategies as st
 import numba_sc
 from numba_sc import SparseTensor, kernel_offsets, sparse_conv3d
 from numba_sc import autotune as autotune_mod_fn  # the function
-from numba_sc.backend import simulating, to_device, to_host
+from numba_sc.backend import as_array, simulating, to_device, to_host
 from numba_sc.conv import gmas, resolve_tiles
 from numba_sc.gather import divisors, gather_cuda, gather_reference
 from numba_sc.gemm_grouping import make_groups, offset_order, padding_report
 from numba_sc.kernel_map import build_kernel_map
-from numba_sc.metadata import (ITEMS_PER_THREAD, build_plan, build_plan_cuda, chunk_counts_cuda,
-                               chunk_counts_reference, chunk_rank_reference, chunk_size)
+from numba_sc.metadata import (ITEMS_PER_THREAD, PointLists, build_plan, build_plan_cuda,
+                               chunk_counts_cuda, chunk_counts_reference, chunk_rank_reference,
+                               chunk_size, lists_from_table, masks_cuda, masks_reference,
+                               table_from_lists)
 from numba_sc.scatter import scatter_cuda, scatter_reference
 
 from conftest import crop, load_scan
@@ -320,11 +322,12 @@ def test_grouping_padding_by_hand():
 
 def test_metadata_kernel_matches_reference(rng):
     x = tensor(rng, 200, 1)
-    for ks, stride in [(3, 1), (2, 2)]:
+    for ks, stride in [(3, 1), (2, 2), (5, 1)]:  # 5: K = 125, four words of offset bits
         km = build_kernel_map(x.coords, ks, stride)
         for sort in (True, False):
             a = build_plan(km, sort=sort, max_padding=0.3, backend="cuda")
             b = build_plan(km, sort=sort, max_padding=0.3, backend="reference")
+            check_plan_tables(a, km)
             out_table = to_host(a.out_table)
             np.testing.assert_array_equal(to_host(a.in_table), b.in_table)
             np.testing.assert_array_equal(out_table, b.out_table)
@@ -383,7 +386,8 @@ def boundary_table(rng):
 def check_plan_tables(plan, km):
     """The layout's definition, checked without the reference: offset k's pairs take
     rows base[k], base[k] + 1, ... in output order; the input table agrees; every
-    other entry is -1."""
+    other entry is -1. And the lists the kernels read hold exactly those rows: an
+    output's in offset order, an input's in any order."""
     table = to_host(km.table)
     out_table, in_table = to_host(plan.out_table), to_host(plan.in_table)
     want_in = np.full_like(in_table, -1)
@@ -397,6 +401,20 @@ def check_plan_tables(plan, km):
         assert (out_table[~has, k] == -1).all()
         want_in[table[k, has], k] = rows
     np.testing.assert_array_equal(in_table, want_in)
+    check_lists(plan.out_lists, out_table, ordered=True)
+    check_lists(plan.in_lists, in_table, ordered=False)
+
+
+def check_lists(lists, dense, ordered):
+    """``lists`` hold each point's valid entries of ``dense`` (in offset order if
+    ``ordered``), read straight from the lists, not through the plan's dense view."""
+    count, rows = to_host(lists.count), to_host(lists.rows)
+    np.testing.assert_array_equal(count, (dense >= 0).sum(axis=1))
+    for n in range(len(count)):
+        got = rows[n, :count[n]]
+        want = dense[n][dense[n] >= 0]  # offset order
+        np.testing.assert_array_equal(got if ordered else np.sort(got),
+                                      want if ordered else np.sort(want))
 
 
 def assert_plans_equal(a, b):
@@ -420,6 +438,20 @@ def test_chunk_counts_kernel_matches_reference(rng):
     table = np.stack([random_pairs(rng, 100, 100, 0.4), random_pairs(rng, 100, 100, 0.9)])
     np.testing.assert_array_equal(to_host(chunk_counts_cuda(table, threads=4)),
                                   chunk_counts_reference(table, 4 * PER))
+
+
+def test_masks_from_the_search_and_from_the_table(rng):
+    """The forward search's masks (mirrored pairs included) == the masks kernel's ==
+    the reference's, for one word of offsets and for four (K = 125)."""
+    x = tensor(rng, 150, 1)
+    for ks, stride, symmetric in [(3, 1, True), (3, 1, False), (2, 2, True), (5, 1, True)]:
+        km = build_kernel_map(x.coords, ks, stride, symmetric=symmetric)
+        want = masks_reference(km.table)
+        assert want.shape == (-(-len(km.offsets) // 32), len(km.out_coords)) and want.any()
+        np.testing.assert_array_equal(to_host(as_array(km.masks)), want)
+        np.testing.assert_array_equal(to_host(masks_cuda(km.table)), want)
+    # the docstring's worked example: output 1 has a pair through offset 1 only
+    np.testing.assert_array_equal(masks_reference(np.array([[1, -1, 0], [0, 1, 2]])), [[3, 2, 3]])
 
 
 def test_chunk_rank_is_the_rank_at_each_chunk_start(rng):
@@ -449,6 +481,14 @@ def test_metadata_tables_across_chunks(rng):
     a = build_plan_cuda(km, max_padding=0.0, threads=4)
     check_plan_tables(a, km)
     assert_plans_equal(a, build_plan(km, max_padding=0.0, backend="reference"))
+    # 64 threads a block: two scan groups of 32 (the GPU has four), chunks of 512
+    # outputs; pairs forced on the group boundary (thread 32's first output).
+    forced = [32 * PER - 1, 32 * PER, 511, 512, 1099]
+    big = synthetic_map(np.stack([random_pairs(rng, 1100, 1200, d, forced if d else [])
+                                  for d in (0.0, 0.2, 0.9)]), 1200)
+    a = build_plan_cuda(big, max_padding=0.0, threads=64)
+    check_plan_tables(a, big)
+    assert_plans_equal(a, build_plan(big, max_padding=0.0, backend="reference"))
     # No outputs at all: no chunks, nothing launched, empty tables of the right shape.
     empty = build_plan(synthetic_map(np.full((2, 0), -1), 5), backend="cuda")
     assert to_host(empty.out_table).shape == (0, 2) and (to_host(empty.in_table) == -1).all()
@@ -497,11 +537,42 @@ def test_metadata_check_sees_one_corrupted_entry(rng):
         assert_plans_equal(bad, good)
     with pytest.raises(AssertionError):  # the old tables do not fit the new map
         check_plan_tables(good, km)
-    # One entry of the kernel's output off by one is caught by the definition check.
-    out_table = to_host(good.out_table).copy()
-    out_table[2 * CHUNK - 1, 2] += 1  # a pair of offset 2 (a forced one)
+    # One entry of the kernel's lists off by one is caught by the definition check.
+    for side in ("out_lists", "in_lists"):
+        lists = getattr(good, side)
+        rows = to_host(lists.rows).copy()
+        n = int(np.flatnonzero(to_host(lists.count) > 0)[-1])
+        rows[n, 0] += 1
+        bad = dataclasses.replace(good, **{side: PointLists(lists.count, np.ascontiguousarray(rows.T))})
+        with pytest.raises(AssertionError):
+            check_plan_tables(bad, synthetic_map(table, n_in))
+    # ... and so are two entries of one output list swapped (the scatter's order).
+    count, rows = to_host(good.out_lists.count), to_host(good.out_lists.rows).copy()
+    n = int(np.flatnonzero(count > 1)[0])
+    rows[n, [0, 1]] = rows[n, [1, 0]]
+    swapped = PointLists(good.out_lists.count, np.ascontiguousarray(rows.T))
     with pytest.raises(AssertionError):
-        check_plan_tables(dataclasses.replace(good, out_table=out_table), synthetic_map(table, n_in))
+        check_plan_tables(dataclasses.replace(good, out_lists=swapped), synthetic_map(table, n_in))
+
+
+def test_point_lists_round_trip(rng):
+    """Dense table -> lists -> dense table, and the kernels take either form."""
+    table, n_in = boundary_table(rng)
+    plan = build_plan(synthetic_map(table, n_in), max_padding=0.0, backend="reference")
+    for dense in (plan.out_table, plan.in_table):
+        lists = lists_from_table(dense)
+        check_lists(lists, dense, ordered=True)
+        np.testing.assert_array_equal(table_from_lists(lists, plan.row_offset, dense.shape[1]), dense)
+    f = rng.standard_normal((n_in, 4)).astype(np.float32)
+    real = np.zeros(plan.rows, bool)
+    real[plan.in_table[plan.in_table >= 0]] = True
+    for arg in (plan.in_table, plan.in_lists):
+        np.testing.assert_array_equal(to_host(gather_cuda(f, arg, plan.rows, 2))[real],
+                                      gather_reference(f, plan.in_table, plan.rows)[real])
+    obuf = rng.standard_normal((plan.rows, 4)).astype(np.float32)
+    for arg in (plan.out_table, plan.out_lists):
+        np.testing.assert_allclose(to_host(scatter_cuda(obuf, arg, tile=4)),
+                                   scatter_reference(obuf, plan.out_table), rtol=1e-6)
 
 
 def test_plan_variants_agree(rng):
