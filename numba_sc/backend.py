@@ -93,12 +93,14 @@ def device_xp():
 def to_device(a):
     """Host or CuPy array -> the device side's array kind, C-contiguous.
 
-    A no-op when the array is already there and contiguous. Kernels index rows
+    A no-op when the array is already there and contiguous, and for a
+    :class:`Piece` (``cupy.asarray`` of one would cost more host time than the
+    piece saved). Kernels index rows
     with plain strides, so a column slice such as ``scan[:, :3]`` is copied once
     here rather than refused later.
     """
-    if a is None:
-        return None
+    if a is None or type(a) is Piece:
+        return a  # (a piece is device memory, contiguous, already)
     xp = device_xp()
     a = xp.asarray(a)
     # (not ascontiguousarray unconditionally: it turns a 0-d array into a 1-d one)

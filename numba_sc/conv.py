@@ -236,7 +236,7 @@ def _prepare_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_
         # x.coords are sorted and unique, so km.in_coords == x.coords and
         # km.in_order is the identity: x.features are already in the map's order.
         km = build_kernel_map(x.coords, kernel_size, stride, dilation, tensor_stride=x.stride,
-                              backend=backend, assume_sorted=True)
+                              backend=backend, assume_sorted=True, masks=True)
     else:
         _check_map_fits(x, kernel_map, False)
         km = kernel_map

@@ -51,7 +51,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, int32, int64
 
-from .backend import filled, launch, simulating
+from .backend import device_xp, filled, launch, simulating
 from .metadata import MASK_BITS
 from .query_segments import query_key, query_key_reference
 
@@ -149,24 +149,28 @@ def count_pair(tally, slot0, chunk_counts, row, c, c0):
 
 @cuda.jit(device=True, inline=True)
 def set_bit(masks, k, i):
-    """Bit k of output i's mask: ``masks[k // MASK_BITS, i] |= 1 << (k % MASK_BITS)``.
-    Other blocks may set other bits of the same word (other offsets of output i)
+    """Bit k of point i's mask: ``masks[k // MASK_BITS, i] |= 1 << (k % MASK_BITS)``.
+    Other blocks may set other bits of the same word (other offsets of point i)
     at the same time, hence the atomic OR."""
     cuda.atomic.or_(masks, (k // MASK_BITS, i), np.int64(1) << (k % MASK_BITS))
 
 
 @lru_cache(maxsize=None)
-def forward_search_kernel(B: int):
-    """The forward-search kernel for source blocks of ``B`` keys (compiled once per B)."""
+def forward_search_kernel(B: int, with_masks: bool = False):
+    """The forward-search kernel for source blocks of ``B`` keys (compiled once per B),
+    setting the mask bits of every pair it finds when ``with_masks`` (a constant of
+    the compiled code: without masks the lines that set them are not compiled in)."""
     steps = B.bit_length() - 1  # log2(B): the search below takes exactly this many steps
     pad = np.int64(np.iinfo(np.int64).max)  # fills a short last block: larger than any query
 
     @cuda.jit
-    def forward_search(skeys, qkeys, deltas, rows, n_rows, table, counts, chunk, chunk_counts, masks):
+    def forward_search(skeys, qkeys, deltas, rows, n_rows, table, counts, chunk, chunk_counts, out_masks,
+                       in_masks):
         """One thread block per balanced query block ``rows[blockIdx]``; also counts
         the pairs per offset, and per offset and chunk of ``chunk`` outputs for the
-        metadata stage (``chunk_counts[k, i // chunk]``), and sets bit k of output i's
-        mask for each pair (``masks``, see :mod:`numba_sc.metadata`)."""
+        metadata stage (``chunk_counts[k, i // chunk]``), and for each pair (k, i, j)
+        sets bit k of output i's mask and of input j's (``out_masks``, ``in_masks``,
+        see :mod:`numba_sc.metadata`)."""
         r = cuda.blockIdx.x
         if r >= n_rows[0]:
             return  # surplus block of the upper-bound launch; the whole block leaves together
@@ -216,11 +220,15 @@ def forward_search_kernel(B: int):
             if lo < n and source[lo] == q:
                 table[k, i] = first + lo
                 count_pair(tally, 0, chunk_counts, k, i // chunk, c_main)
-                set_bit(masks, k, i)
+                if with_masks:
+                    set_bit(out_masks, k, i)
+                    set_bit(in_masks, k, first + lo)
                 if mirror >= deltas.shape[0]:  # row `mirror` is not searched: write its pair
                     table[mirror, first + lo] = i
                     count_pair(tally, TALLY, chunk_counts, mirror, (first + lo) // chunk, c_mirror)
-                    set_bit(masks, mirror, first + lo)
+                    if with_masks:
+                        set_bit(out_masks, mirror, first + lo)
+                        set_bit(in_masks, mirror, i)
                 mine += 1
         # Pairs per offset, counted where they are found: one shared-memory atomic
         # per thread, one global atomic per block, instead of a reduction over the
@@ -242,8 +250,11 @@ def forward_search_kernel(B: int):
     return forward_search
 
 
+_NO_MASKS = {}  # a 1 x 1 placeholder per array library, made once
+
+
 def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=None, n_offsets=None,
-                        chunk=None, chunk_counts=None, masks=None):
+                        chunk=None, chunk_counts=None, out_masks=None, in_masks=None):
     """Launch the forward search over ``grid`` thread blocks; returns ``(table, counts)``.
 
     ``n_offsets``: rows of the table, K. Default: one per delta. When it is larger
@@ -263,10 +274,12 @@ def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=N
     :func:`numba_sc.metadata.chunk_counts_kernel` would count by reading the
     whole table again. Counting where the pairs are found saves that pass.
     ``chunk_counts``, when given, must be zeros of that shape (made here otherwise).
-    ``masks``: int64 zeros (ceil(K / MASK_BITS), |Q|), or None (made here): bit
-    ``k % MASK_BITS`` of ``masks[k // MASK_BITS, i]`` is set when output i has a
-    pair through offset k (the metadata stage's :func:`~numba_sc.metadata.masks_kernel`
-    would find them by reading the whole table again).
+    ``out_masks``, ``in_masks``: int64 zeros (ceil(K / MASK_BITS), |Q|) and
+    (..., |P|), or None (no masks: the Map step alone does not need them): bit ``k % MASK_BITS`` of ``out_masks[k //
+    MASK_BITS, i]`` is set when output i has a pair through offset k, and of
+    ``in_masks[k // MASK_BITS, j]`` when input j has one (the metadata stage's
+    :func:`~numba_sc.metadata.masks_kernel` would find them by reading the whole
+    table again).
     """
     K = deltas.shape[0] if n_offsets is None else int(n_offsets)
     table = filled((K, qkeys.shape[0]), np.int32, -1)  # misses stay -1: only hits are written
@@ -278,9 +291,13 @@ def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=N
         chunk = chunk_size()
     if chunk_counts is None:
         chunk_counts = filled((K, -(-int(qkeys.shape[0]) // chunk)), np.int32, 0)
-    if masks is None:
-        masks = filled((-(-K // MASK_BITS), int(qkeys.shape[0])), np.int64, 0)
+    with_masks = out_masks is not None
+    if not with_masks:  # the kernel takes them but never touches them
+        xp = device_xp()
+        if xp not in _NO_MASKS:
+            _NO_MASKS[xp] = xp.zeros((1, 1), np.int64)
+        out_masks = in_masks = _NO_MASKS[xp]
     if grid > 0:
-        launch(forward_search_kernel(int(B)), int(grid), skeys, qkeys, deltas, rows, n_rows, table,
-               counts, int(chunk), chunk_counts, masks, threads=forward_threads(C), blocks=int(grid))
+        launch(forward_search_kernel(int(B), with_masks), int(grid), skeys, qkeys, deltas, rows, n_rows, table,
+               counts, int(chunk), chunk_counts, out_masks, in_masks, threads=forward_threads(C), blocks=int(grid))
     return table, counts, chunk_counts

@@ -39,7 +39,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32
 
 from .backend import device_xp, launch, resolve_backend, simulating, to_device
 from .metadata import PointLists, lists_from_table
@@ -77,43 +77,35 @@ def gather_reference(features, in_table, rows, tile=None):
 
 
 # -------------------------------------------------------------------- kernels
-FIRST_ROWS = 4  # list entries read at once with the list's length (gather and scatter)
-
-
 @lru_cache(maxsize=None)
 def gather_kernel(tile: int):
     """The gather kernel compiled for one tile size (a compile-time constant, so the
     tile lives in registers: ``cuda.local.array`` needs a constant length)."""
 
     @cuda.jit
-    def gather(features, in_count, in_slots, buf):
-        """Input j's rows are ``in_slots[:in_count[j], j]`` (:class:`numba_sc.metadata.PointLists`)."""
+    def gather(features, in_masks, buffered, in_slots, buf):
+        """Input p's rows are ``in_slots[:, p]``, one per set bit of ``in_masks[:, p] &
+        buffered``, in offset order (:class:`numba_sc.metadata.PointLists`)."""
         t = cuda.grid(1)
         tiles = features.shape[1] // tile
         if t < features.shape[0] * tiles:
             p = t // tiles  # neighbouring threads take neighbouring tiles of one point:
             c0 = (t - p * tiles) * tile  # their loads and stores are contiguous
-            # The first FIRST_ROWS entries of the list are read together with its
-            # length, before anyone knows how many are real: one wait for memory
-            # instead of two in a row (length, then rows). Entries past the length
-            # are whatever the memory held; they are never used.
-            first = cuda.local.array(FIRST_ROWS, int32)
-            for u in range(FIRST_ROWS):  # constant trip count: unrolled, kept in registers
-                first[u] = in_slots[u, p] if u < in_slots.shape[0] else -1
-            n = in_count[p]  # the same entry for all tiles of p (Algorithm 1, line 5)
+            n = 0  # p's entries: its buffered offsets with a pair (the same for all tiles of p)
+            for w in range(in_masks.shape[0]):
+                n += cuda.popc(in_masks[w, p] & buffered[w])
             if n > 0:
                 # A point with no pair outside the centre (about 2 in 3 of 1M random
                 # voxels in 400^3) has its features never read.
                 v = cuda.local.array(tile, float32)  # fp32 holds fp16 exactly: no rounding
                 for c in range(tile):
                     v[c] = features[p, c0 + c]
-                # only the offsets that have a pair (Algorithm 1, line 4): the rows
-                # already read, then (rarely) the rest of the list
-                for u in range(FIRST_ROWS):
-                    if u < n:
-                        for c in range(tile):
-                            buf[first[u], c0 + c] = v[c]
-                for s in range(FIRST_ROWS, n):
+                # Only the offsets that have a pair (Algorithm 1, line 4), in offset
+                # order: the threads of a warp, on neighbouring points, mostly reach
+                # the same offset at the same step and write neighbouring rows (an
+                # offset's rows follow the points' order). In a run-dependent order
+                # the same gather took 77 us instead of 46 on SemanticKITTI.
+                for s in range(n):
                     row = in_slots[s, p]
                     for c in range(tile):
                         buf[row, c0 + c] = v[c]
@@ -136,8 +128,8 @@ def gather_cuda(features, in_lists, rows, tile):
     # that could trip an overflow warning in the fp16 GEMM.
     buf = (xp.zeros if simulating() else xp.empty)((rows, f.shape[1]), dtype=f.dtype)
     if rows:
-        launch(gather_kernel(tile), f.shape[0] * (f.shape[1] // tile), f,
-               to_device(in_lists.count), to_device(in_lists.slots), buf)
+        launch(gather_kernel(tile), f.shape[0] * (f.shape[1] // tile), f, to_device(in_lists.masks),
+               to_device(in_lists.buffered), to_device(in_lists.slots), buf)
     return buf
 
 

@@ -125,10 +125,12 @@ class KernelMap:
     # GPU it is a numba_sc.backend.Piece (a kernel argument; .get() reads it).
     chunk_counts: object = field(default=None, repr=False)
     chunk: int = field(default=None, repr=False)  # outputs per chunk of chunk_counts
-    # Device int64 (ceil(K / 32), |Q|): bit k % 32 of masks[k // 32, i] is set when
-    # output i has a pair through offset k; set by the forward search for the metadata
-    # stage (None when not known, as for chunk_counts). A Piece on a GPU.
-    masks: object = field(default=None, repr=False)
+    # Device int64 (ceil(K / 32), |Q|) and (ceil(K / 32), |P|): bit k % 32 of
+    # out_masks[k // 32, i] is set when output i has a pair through offset k, of
+    # in_masks[k // 32, j] when input j has one; set by the forward search for the
+    # metadata stage (None when not known, as for chunk_counts). Pieces on a GPU.
+    out_masks: object = field(default=None, repr=False)
+    in_masks: object = field(default=None, repr=False)
 
     # The orders are the identity whenever the coordinates came in sorted, which is
     # always the case inside a network (every stage hands out sorted coordinates).
@@ -286,7 +288,7 @@ def _sorted_reference(coords, reach, name, assume_sorted):
 
 def build_kernel_map_reference(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
                                out_coords=None, source_block=DEFAULT_SOURCE_BLOCK, query_block=DEFAULT_QUERY_BLOCK,
-                               assume_sorted=False, symmetric=True) -> KernelMap:
+                               assume_sorted=False, symmetric=True, masks=False) -> KernelMap:
     """The Map step in vectorized NumPy, with the comparisons of both searches counted."""
     B, C = check_block_sizes(source_block, query_block)
     ks, st, dil, ts, offsets, deltas = _layer(kernel_size, stride, dilation, tensor_stride)
@@ -365,8 +367,8 @@ class _Work:
 
         report        REPORT_ROWS + 1 + K   the flags, the row count, pairs per offset
         chunk_counts  K * n_chunks int32     pairs per offset and chunk of outputs
-        masks         W * |Q|                which offsets have a pair at each output
-                                             (W = ceil(K / MASK_BITS) words per output)
+        out_masks     W * |Q|                which offsets have a pair at each output
+        in_masks      W * |P|                ... and at each input (W = ceil(K / MASK_BITS))
         keys          |P| (+ |Q|)            packed input (and output) keys
         bounds        h * (nblocks + 1)      query block borders
         rows          upper * 4 int32        balanced query blocks
@@ -375,14 +377,14 @@ class _Work:
     (``counts``); the rest are :class:`numba_sc.backend.Piece` s, kernel arguments only.
     """
 
-    def __init__(self, K, h, P, Q, B, C, chunk, two_sides):
+    def __init__(self, K, h, P, Q, B, C, chunk, two_sides, masks):
         self.K, self.chunk, self.n_chunks = K, chunk, -(-Q // chunk)
         self.upper = max_balanced_blocks(h, P, Q, B, C)
         nb = num_source_blocks(P, B)
         R = REPORT_ROWS + 1 + K
-        W = -(-K // MASK_BITS)
+        W = -(-K // MASK_BITS) if masks else 0
         words = [R, -(-K * self.n_chunks // 2), P, Q if two_sides else 0, h * (nb + 1), 2 * max(self.upper, 1),
-                 W * Q]
+                 W * Q, W * P]
         starts = [8 * w for w in accumulate(words, initial=0)]  # byte offsets (Python ints: cheap)
         self.report = filled(starts[-1] // 8, np.int64, 0)
         buf = self.report
@@ -396,7 +398,8 @@ class _Work:
         self.keys_out = piece(buf, starts[3], (Q,), np.int64) if two_sides else self.keys_in
         self.bounds = piece(buf, starts[4], (h, nb + 1), np.int64)
         self.rows = piece(buf, starts[5], (max(self.upper, 1), 4), np.int32)
-        self.masks = piece(buf, starts[6], (W, Q), np.int64)
+        self.out_masks = piece(buf, starts[6], (W, Q), np.int64) if masks else None
+        self.in_masks = piece(buf, starts[7], (W, P), np.int64) if masks else None
 
     def repeats(self, slot):
         """The repeated-rows slot of side ``slot`` (REPORT_IN / REPORT_OUT), which the
@@ -418,7 +421,7 @@ def _search_cuda(skeys, qkeys, d_deltas, K, B, C, work):
     grid = min(int(work.n_rows[0]), work.upper) if simulating() else work.upper
     table, _, _ = forward_search_cuda(skeys, qkeys, d_deltas, work.rows, work.n_rows, B, C, grid, work.counts,
                                       n_offsets=K, chunk=work.chunk, chunk_counts=work.chunk_counts,
-                                      masks=work.masks)  # stage 6
+                                      out_masks=work.out_masks, in_masks=work.in_masks)  # stage 6
     return table, to_host(work.report_read), grid
 
 
@@ -438,7 +441,7 @@ def _check_report(report, sides):
 
 def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
                           out_coords=None, source_block=DEFAULT_SOURCE_BLOCK, query_block=DEFAULT_QUERY_BLOCK,
-                          assume_sorted=False, symmetric=True) -> KernelMap:
+                          assume_sorted=False, symmetric=True, masks=False) -> KernelMap:
     """The Map step with the kernels; arrays stay on the device, no Python loop over K.
 
     Optimistic about the order: coordinates are packed and searched as if they
@@ -472,7 +475,7 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     P, Q = int(in_sorted.shape[0]), int(out_sorted.shape[0])
 
     # Stage 3, optimistic: pack (the kernel flags range and order) and search.
-    work = _Work(K, h, P, Q, B, C, chunk_size(), not submanifold)
+    work = _Work(K, h, P, Q, B, C, chunk_size(), not submanifold, masks)
     skeys = qkeys = work.keys_in
     cv.launch_pack(in_sorted, *source_reach, skeys, work.flags_in)
     if not submanifold:
@@ -483,7 +486,7 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     unsorted_in = bool(rep[REPORT_IN + cv.FLAG_UNSORTED])
     unsorted_out = not submanifold and bool(rep[REPORT_OUT + cv.FLAG_UNSORTED])
     if unsorted_in or unsorted_out:  # stage 3 after all: sort, then search again
-        old, work = work, _Work(K, h, P, Q, B, C, chunk_size(), not submanifold)
+        old, work = work, _Work(K, h, P, Q, B, C, chunk_size(), not submanifold, masks)
         skeys, qkeys = as_array(old.keys_in), as_array(old.keys_out)
         if unsorted_in:
             skeys, in_order, in_sorted = sort_rows_cuda(skeys, in_sorted, work.repeats(REPORT_IN))
@@ -509,7 +512,8 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     m = _finish(in_sorted, out_sorted, in_order, offsets, table, work.counts_array(), stats,
                 ks, st, dil, ts, out_order)
     m.counts_host = counts_host
-    m.chunk_counts, m.chunk, m.masks = work.chunk_counts, work.chunk, work.masks
+    m.chunk_counts, m.chunk = work.chunk_counts, work.chunk
+    m.out_masks, m.in_masks = work.out_masks, work.in_masks
     return m
 
 
@@ -521,7 +525,7 @@ def _finish(in_sorted, out_sorted, in_order, offsets, table, counts, stats, ks, 
 # ----------------------------------------------------------------------- API
 def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
                      out_coords=None, backend=None, source_block=DEFAULT_SOURCE_BLOCK, query_block=DEFAULT_QUERY_BLOCK,
-                     assume_sorted=False, symmetric=True) -> KernelMap:
+                     assume_sorted=False, symmetric=True, masks=False) -> KernelMap:
     """Build the kernel map of a sparse convolution (Minuet's Map step).
 
     Parameters
@@ -554,6 +558,14 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
         twice, once for ``delta`` and once, mirrored, for ``-delta``
         (:func:`searched_segments`). The table is the same; the searches do half
         the work. ``False`` searches all K segments, as in the paper.
+    masks : bool
+        Also record, for every output and every input, which offsets have a pair
+        there (``.out_masks``, ``.in_masks``: bits set by the forward search where
+        it finds the pairs), for the metadata stage of a layer
+        (:mod:`numba_sc.metadata`), which otherwise reads the whole table once
+        more to find them. :func:`numba_sc.sparse_conv3d` asks for them; the Map
+        step alone does not need them (on 1M random voxels they cost ~10 % of
+        the step). Kernel path only: the reference ignores it.
 
     Returns
     -------
@@ -569,7 +581,7 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
     """
     kw = dict(kernel_size=kernel_size, stride=stride, dilation=dilation, tensor_stride=tensor_stride,
               out_coords=out_coords, source_block=source_block, query_block=query_block,
-              assume_sorted=assume_sorted, symmetric=symmetric)
+              assume_sorted=assume_sorted, symmetric=symmetric, masks=masks)
     if resolve_backend(backend) == "reference":
         m = build_kernel_map_reference(in_coords, **kw)
     else:

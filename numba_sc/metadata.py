@@ -104,7 +104,7 @@ import numpy as np
 from numba import cuda, int32
 
 from . import gemm_grouping as gg
-from .backend import device_xp, filled, launch, resolve_backend, simulating, to_device, to_device_async, to_host
+from .backend import as_array, device_xp, filled, launch, piece, resolve_backend, simulating, to_device, to_device_async, to_host
 
 
 @dataclass
@@ -113,49 +113,79 @@ class PointLists:
 
     The compact form of an input or output table (PCEngine's idea of keeping the
     kernel map as compressed rows; Minuet names it as one that combines with its
-    own, Section 6). A thread of the gather or scatter walks ``count[n]`` entries
-    - the pairs its point really has - instead of all K of a dense table row, most
-    of them -1 on a sparse cloud (2 in 3 points of 1M random voxels in 400^3 have
-    no pair outside the centre).
+    own, Section 6). A thread of the gather or scatter visits only the pairs its
+    point really has, instead of all K entries of a dense table row, most of
+    them -1 on a sparse cloud (2 in 3 points of 1M random voxels in 400^3 have no
+    pair outside the centre).
 
-    Output lists are in offset order (the scatter sums in that order: the same
-    result every run). Input lists are in the order the kernel's threads claimed
-    their slots, which varies from run to run; the gather copies the same row to
-    the same places whatever the order, so its result does not.
+    Three arrays:
 
-    Stored slot-major, ``slots`` (K, N) C-contiguous, ``slots[s, n]`` = entry s of
-    point n; ``rows`` is its (N, K) transposed view. Why: the threads of a warp
-    work on neighbouring points and read entry s of each at the same time, which
-    slot-major are neighbouring addresses (one memory sector for 8 points). In
-    the (N, K) layout they lay K * 4 bytes apart, a sector each: on the H100 the
-    gather of a SemanticKITTI layer took 74 us that way against 46 us for the
-    old dense, offset-major table (Nsight Compute).
+    ``masks`` int64 (W, N), W = ceil(K / MASK_BITS)
+        bit ``k % 32`` of ``masks[k // 32, n]`` set when point n has a pair
+        through offset k (set by the forward search where it found the pair);
+    ``buffered`` int64 (W,)
+        the same bits for the offsets that are in the buffers (not the centre
+        multiplied directly, not the offsets without pairs). A point's entries
+        are its pairs at offsets with both bits set, **in offset order**: the
+        scatter sums in that order (the same result run after run), and the
+        threads of a warp, walking their points' offsets in step, write (gather)
+        or read (scatter) the rows of one offset at the same time - for
+        neighbouring points, neighbouring rows;
+    ``slots`` int32 (K, N)
+        ``slots[s, n]`` = point n's entry s, for s below its count (the rest is
+        never written). Slot-major because the threads of a warp work on
+        neighbouring points and read entry s of each at about the same time:
+        neighbouring addresses. In the (N, K) layout they lay K * 4 bytes apart,
+        a memory sector each (the gather of a SemanticKITTI layer took 74 us on
+        the H100 that way, Nsight Compute).
     """
 
-    count: object  # int32 (N,): pairs of each point
-    slots: object  # int32 (K, N): slots[s, n] = point n's entry s (s < count[n]), else anything
+    slots: object
+    masks: object
+    buffered: object
 
     @property
     def rows(self):
         """int32 (N, K) view: ``rows[n, :count[n]]`` are point n's buffer rows."""
-        return self.slots.T
+        return as_array(self.slots).T
+
+    @property
+    def count(self):
+        """int32 (N,): entries of each point (the set bits of ``masks & buffered``;
+        computed on demand, for reading: the kernels use the bits)."""
+        m = as_array(self.masks) & as_array(self.buffered).reshape(-1, 1)
+        xp = np if isinstance(m, np.ndarray) else device_xp()
+        bits = (m[:, :, None] >> xp.arange(MASK_BITS, dtype=np.int64)) & 1
+        return bits.sum(axis=(0, 2)).astype(np.int32)
 
     def __len__(self):
-        return int(self.count.shape[0])
+        return int(self.masks.shape[1])  # (a piece has a shape too)
+
+
+def masks_from_hits(hit):
+    """bool (K, N) -> int64 (ceil(K / MASK_BITS), N): bit ``k % 32`` of word ``k // 32``
+    of column n set where ``hit[k, n]``."""
+    xp = np if isinstance(hit, np.ndarray) else device_xp()
+    K, n = hit.shape
+    W = -(-K // MASK_BITS)
+    padded = xp.zeros((W * MASK_BITS, n), dtype=np.int64)
+    padded[:K] = hit
+    return (padded.reshape(W, MASK_BITS, n) << xp.arange(MASK_BITS, dtype=np.int64)[:, None]).sum(axis=1)
 
 
 def lists_from_table(table) -> PointLists:
     """A dense (N, K) table of rows or -1 -> :class:`PointLists` in offset order
-    (either array kind). Stable: each point's entries keep their offset order."""
+    (either array kind): every offset counts as buffered."""
     xp = device_xp() if not isinstance(table, np.ndarray) else np
     table = xp.asarray(table)
     K = table.shape[1]
-    count = (table >= 0).sum(axis=1).astype(np.int32)
     k = xp.arange(K, dtype=np.int32)
     # valid entries first, each group in offset order: sort by (missing, k)
     key = xp.where(table >= 0, k[None, :], K + k[None, :])
     rows = xp.take_along_axis(table, xp.argsort(key, axis=1), axis=1)
-    return PointLists(count, xp.ascontiguousarray(rows.T.astype(np.int32)))
+    masks = masks_from_hits((table >= 0).T)
+    buffered = masks_from_hits(xp.ones((K, 1), dtype=bool))[:, 0]
+    return PointLists(xp.ascontiguousarray(rows.T.astype(np.int32)), masks, buffered)
 
 
 def table_from_lists(lists: PointLists, row_offset, K: int):
@@ -286,6 +316,17 @@ def _layout(kernel_map, sort, max_padding, solo_rows, direct_centre):
     return counts, order, groups, base, rows, centre, (max_padding, solo_rows)
 
 
+def _device_layout(base):
+    """``base`` and :func:`buffered_bits` in one int64 array, copied to the device
+    at once (one pinned copy), handed out as two pieces."""
+    K = len(base)
+    bits = [0] * -(-K // MASK_BITS)
+    for k in np.flatnonzero(base >= 0).tolist():  # a Python loop over K numbers: ~2 us
+        bits[k // MASK_BITS] |= 1 << (k % MASK_BITS)
+    layout = to_device_async(np.array(base.tolist() + bits, dtype=np.int64))
+    return piece(layout, 0, (K,), np.int64), piece(layout, 8 * K, (len(bits),), np.int64)
+
+
 # ------------------------------------------------------------------ reference
 def build_plan_reference(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
                          solo_rows=gg.DEFAULT_SOLO_ROWS, direct_centre=True) -> GmasPlan:
@@ -302,10 +343,17 @@ def build_plan_reference(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDI
     in_table = np.full((n_in, K), -1, dtype=np.int32)
     out_table[ii, kk] = rows_of_pair
     in_table[table[kk, ii], kk] = rows_of_pair
-    plan = GmasPlan(counts, order, groups, base, rows, centre, lists_from_table(in_table),
-                    lists_from_table(out_table), policy)
+    buffered = buffered_bits(base)
+    plan = GmasPlan(counts, order, groups, base, rows, centre, _ref_lists(in_table, buffered),
+                    _ref_lists(out_table, buffered), policy)
     plan._tables.update(out=out_table, **{"in": in_table})  # the dense views, already made
     return plan
+
+
+def _ref_lists(dense, buffered):
+    """The reference's lists of a dense (N, K) table, with the layer's buffered bits."""
+    lists = lists_from_table(dense)
+    return PointLists(lists.slots, lists.masks, buffered)
 
 
 def chunk_counts_reference(table, chunk: int) -> np.ndarray:
@@ -319,16 +367,17 @@ def chunk_counts_reference(table, chunk: int) -> np.ndarray:
     return hit.reshape(K, n_chunks, chunk).sum(axis=2).astype(np.int32)
 
 
-def masks_reference(table) -> np.ndarray:
-    """int64 (ceil(K / MASK_BITS), |Q|): bit ``k % MASK_BITS`` of word ``k // MASK_BITS``
-    of column i set when ``table[k, i] >= 0`` (what :func:`masks_kernel` and the
-    forward search write)."""
-    hit = np.asarray(to_host(table)) >= 0
-    K, n_out = hit.shape
-    masks = np.zeros((-(-K // MASK_BITS), n_out), dtype=np.int64)
-    for k in range(K):
-        masks[k // MASK_BITS] |= hit[k].astype(np.int64) << (k % MASK_BITS)
-    return masks
+def masks_reference(table, n_in):
+    """``(out_masks, in_masks)``, int64 (W, |Q|) and (W, |P|): bit ``k % MASK_BITS`` of
+    word ``k // MASK_BITS`` of output i set when ``table[k, i] >= 0``, of input j
+    when some ``table[k, i] == j`` (what :func:`masks_kernel` and the forward
+    search write)."""
+    table = np.asarray(to_host(table))
+    K = table.shape[0]
+    in_hit = np.zeros((K, n_in), dtype=bool)
+    kk, ii = np.nonzero(table >= 0)
+    in_hit[kk, table[kk, ii]] = True
+    return masks_from_hits(table >= 0), masks_from_hits(in_hit)
 
 
 def chunk_rank_reference(counts2d) -> np.ndarray:
@@ -457,16 +506,18 @@ AHEAD = 8  # table entries a thread reads before testing the first of them
 
 
 @cuda.jit
-def masks_kernel(table, masks):
-    """One thread per output i: which offsets have a pair at i.
+def masks_kernel(table, out_masks, in_masks):
+    """One thread per output i: which offsets have a pair at i, and at its inputs.
 
-    ``masks[w, i]`` has bit ``b`` set when ``table[32 w + b, i] >= 0``. A map from
-    the kernel path comes with its masks (the forward search set the bits where
-    it found the pairs); this pass is for maps from elsewhere. Neighbouring
-    threads read neighbouring entries of each table row (offset-major): one
-    full, coalesced read of the table. The reads come AHEAD at a time, all issued
-    before the first is tested, so that a thread waits for memory once per AHEAD
-    offsets instead of once per offset.
+    ``out_masks[w, i]`` gets bit ``b`` when ``table[32 w + b, i] >= 0``, and the
+    input ``j`` of that pair gets the same bit in ``in_masks[w, j]`` (zeroed
+    beforehand; an atomic OR, as other threads set other bits of j's word). A
+    map from the kernel path comes with its masks (the forward search set the
+    bits where it found the pairs); this pass is for maps from elsewhere.
+    Neighbouring threads read neighbouring entries of each table row
+    (offset-major): one coalesced read of the table. The reads come AHEAD at a
+    time, all issued before the first is tested, so that a thread waits for
+    memory once per AHEAD offsets instead of once per offset.
     """
     i = cuda.grid(1)
     K = table.shape[0]
@@ -479,32 +530,29 @@ def masks_kernel(table, masks):
             for u in range(AHEAD):
                 k = k0 + u
                 if ahead[u] >= 0:
-                    m |= 1 << (k % MASK_BITS)
+                    bit = 1 << (k % MASK_BITS)
+                    m |= bit
+                    cuda.atomic.or_(in_masks, (k // MASK_BITS, ahead[u]), bit)
                 if k < K and (k % MASK_BITS == MASK_BITS - 1 or k == K - 1):
-                    masks[k // MASK_BITS, i] = m  # the word is complete
+                    out_masks[k // MASK_BITS, i] = m  # the word is complete
                     m = 0
 
 
 @cuda.jit(device=True)
-def _list_place(masks, buffered, k, i):
-    """``(slot, length)`` of pair (k, i) in output i's list: the buffered offsets
-    before k with a pair at i, and all of them (popcounts of i's masks, kept
-    to the bits of ``buffered``)."""
+def _slot(masks, buffered, k, n):
+    """Entries of point n before offset k: its buffered offsets below k with a pair
+    (popcounts of its mask words), i.e. where pair (k, n) goes in n's list."""
     w = k // MASK_BITS
-    slot = cuda.popc(masks[w, i] & buffered[w] & ((1 << (k % MASK_BITS)) - 1))
-    n = 0
-    for v in range(masks.shape[0]):
-        bits = cuda.popc(masks[v, i] & buffered[v])
-        n += bits
-        if v < w:
-            slot += bits
-    return slot, n
+    s = cuda.popc(masks[w, n] & buffered[w] & ((1 << (k % MASK_BITS)) - 1))
+    for v in range(w):
+        s += cuda.popc(masks[v, n] & buffered[v])
+    return s
 
 
 @cuda.jit
-def lists_kernel(table, counts2d, base, buffered, chunk, masks, in_count, in_slots, out_count, out_slots):
+def lists_kernel(table, counts2d, base, buffered, chunk, out_masks, in_masks, in_slots, out_slots):
     """One block per (offset k, chunk c): the buffer rows of the pairs of k in chunk c,
-    appended to the lists of their input and output.
+    written into the lists of their input and output.
 
     Blocks are numbered with k varying fastest (block = c * K + k), so the K
     blocks of a chunk run at about the same time and read the same part of the
@@ -515,15 +563,10 @@ def lists_kernel(table, counts2d, base, buffered, chunk, masks, in_count, in_slo
        pair within offset k (ranks rise in output order: the block owns
        consecutive outputs, each thread a contiguous run of them).
     2. Row: pair number ``rank`` of offset k gets row ``base[k] + rank``.
-    3. Output list: the slot of (k, i) is the number of buffered offsets before
-       k with a pair at i, counted in i's masks (``buffered``: the bits of the
-       offsets in the buffers), so every output's list is in offset order,
-       whichever block runs first. Every pair of i writes the same length into
-       ``out_count[i]``; outputs without pairs keep the zero they start with.
-    4. Input list: an input is fed by pairs of many blocks, so its slot comes
-       from an atomic counter (``in_count`` starts at zero). The slot an entry
-       gets depends on timing; the set of entries does not, and neither does
-       what the gather does with them.
+    3. Lists: pair (k, i, j) goes to slot :func:`_slot` of output i's list and
+       of input j's, counted in their masks (``buffered``: the bits of the
+       offsets in the buffers). Both lists come out in offset order, whichever
+       block runs first, with no atomics and no counters to zero.
 
     ``base[k]`` is the same for the whole block, so a block whose offset is not
     in the buffers leaves together, before any barrier.
@@ -543,21 +586,20 @@ def lists_kernel(table, counts2d, base, buffered, chunk, masks, in_count, in_slo
         if j >= 0:
             row = first_row + rank
             rank += 1
-            slot, n = _list_place(masks, buffered, k, i)
-            out_slots[slot, i] = row
-            out_count[i] = n
-            s = cuda.atomic.add(in_count, j, 1)  # claim the next slot of input j
-            in_slots[s, j] = row
+            out_slots[_slot(out_masks, buffered, k, i), i] = row
+            in_slots[_slot(in_masks, buffered, k, j), j] = row
 
 
-def masks_cuda(table):
-    """int64 (ceil(K / MASK_BITS), |Q|): the offsets with a pair at each output (kernel)."""
+def masks_cuda(table, n_in):
+    """``(out_masks, in_masks)`` of a map's table (kernel; see :func:`masks_reference`)."""
     table = to_device(table)
     K, n_out = table.shape
-    masks = device_xp().empty((-(-K // MASK_BITS), n_out), dtype=np.int64)  # every word is written
+    W = -(-K // MASK_BITS)
+    out_masks = device_xp().empty((W, n_out), dtype=np.int64)  # every word is written
+    in_masks = filled((W, n_in), np.int64, 0)  # bits are ORed in
     if n_out:
-        launch(masks_kernel, n_out, table, masks)
-    return masks
+        launch(masks_kernel, n_out, table, out_masks, in_masks)
+    return out_masks, in_masks
 
 
 def buffered_bits(base) -> np.ndarray:
@@ -598,26 +640,24 @@ def build_plan_cuda(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
     n_in = len(kernel_map.in_coords)
     chunk = chunk_size(threads)
     counts2d = getattr(kernel_map, "chunk_counts", None)  # counted by the forward search
-    masks = getattr(kernel_map, "masks", None)  # ... and so were these
+    out_masks = getattr(kernel_map, "out_masks", None)  # ... and so were these
+    in_masks = getattr(kernel_map, "in_masks", None)
     if counts2d is None or getattr(kernel_map, "chunk", None) != chunk:
         counts2d = chunk_counts_cuda(table, threads)  # a map from elsewhere: count them here
-    if masks is None or tuple(masks.shape) != (-(-K // MASK_BITS), n_out):
-        masks = masks_cuda(table)
-    xp = device_xp()
-    # Both counters start at zero, in one allocation: one fill.
-    count = filled((n_in + n_out,), np.int32, 0)
-    in_count, out_count = count[:n_in], count[n_in:]
-    # Rows past a point's count are never read: no fill. (N, K) is what a point
-    # could need at most; the memory is reserved, not touched.
-    in_slots = xp.empty((K, n_in), dtype=np.int32)
-    out_slots = xp.empty((K, n_out), dtype=np.int32)
+    if out_masks is None or in_masks is None:
+        out_masks, in_masks = masks_cuda(table, n_in)
+    d_base, buffered = _device_layout(base)
+    # Slots past a point's count are never written nor read: no fill. K per point
+    # is what a point could need at most; the memory is reserved, not touched.
+    # One allocation for both sides, two pieces of it.
+    slots = device_xp().empty(K * (n_in + n_out), dtype=np.int32)
+    in_slots = piece(slots, 0, (K, n_in), np.int32)
+    out_slots = piece(slots, 4 * K * n_in, (K, n_out), np.int32)
     if counts2d.size:
-        # base and the buffered offsets' bits, both int64, in one copy to the device
-        layout = to_device_async(np.concatenate([base, buffered_bits(base)]))
-        launch(lists_kernel, counts2d.size, table, counts2d, layout[:K], layout[K:], chunk, masks,
-               in_count, in_slots, out_count, out_slots, threads=threads, blocks=counts2d.size)
-    return GmasPlan(counts, order, groups, base, rows, centre, PointLists(in_count, in_slots),
-                    PointLists(out_count, out_slots), policy)
+        launch(lists_kernel, counts2d.size, table, counts2d, d_base, buffered, chunk, out_masks,
+               in_masks, in_slots, out_slots, threads=threads, blocks=counts2d.size)
+    return GmasPlan(counts, order, groups, base, rows, centre, PointLists(in_slots, in_masks, buffered),
+                    PointLists(out_slots, out_masks, buffered), policy)
 
 
 def build_plan(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,

@@ -28,10 +28,10 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32
 
 from .backend import device_xp, launch, resolve_backend, to_device
-from .gather import FIRST_ROWS, check_tile
+from .gather import check_tile
 from .metadata import PointLists, lists_from_table
 
 
@@ -60,30 +60,27 @@ def scatter_kernel(tile: int):
     """The scatter kernel compiled for one tile size (constant: the tile is in registers)."""
 
     @cuda.jit
-    def scatter(obuf, out_count, out_slots, has_init, out):
-        """Output q's rows are ``out_slots[:out_count[q], q]``, in offset order."""
+    def scatter(obuf, out_masks, buffered, out_slots, has_init, out):
+        """Output q's rows are ``out_slots[:, q]``, one per set bit of ``out_masks[:, q] &
+        buffered``, in offset order (:class:`numba_sc.metadata.PointLists`)."""
         t = cuda.grid(1)
         tiles = out.shape[1] // tile
         if t < out.shape[0] * tiles:
             q = t // tiles  # as in the gather: neighbouring threads, neighbouring tiles
             c0 = (t - q * tiles) * tile
-            first = cuda.local.array(FIRST_ROWS, int32)  # read with the length, as in the gather
-            for u in range(FIRST_ROWS):
-                first[u] = out_slots[u, q] if u < out_slots.shape[0] else -1
-            n = out_count[q]  # shared by all tiles of q
+            n = 0  # q's entries: its buffered offsets with a pair (shared by all tiles of q)
+            for w in range(out_masks.shape[0]):
+                n += cuda.popc(out_masks[w, q] & buffered[w])
+            # An output without pairs keeps its centre product untouched: no read,
+            # no write (most of a sparse cloud's points); without a centre
+            # product it gets its zeros.
             if n > 0 or not has_init:
-                # (an output without pairs keeps its centre product untouched: no
-                # read, no write - most of a sparse cloud's points)
                 acc = cuda.local.array(tile, float32)  # fp32 accumulator, fp16 data or not
                 for c in range(tile):
                     # ``out`` already holds the centre product: start from it (the
                     # same order of additions as the reference)
                     acc[c] = out[q, c0 + c] if has_init else float32(0.0)
-                for u in range(FIRST_ROWS):  # offset order: the same sum, run after run
-                    if u < n:
-                        for c in range(tile):
-                            acc[c] += obuf[first[u], c0 + c]
-                for s in range(FIRST_ROWS, n):
+                for s in range(n):  # offset order: the same sum, run after run
                     row = out_slots[s, q]
                     for c in range(tile):
                         acc[c] += obuf[row, c0 + c]
@@ -110,8 +107,8 @@ def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=No
         out = to_device(init)
     else:
         out = xp.empty((n_out, channels), dtype=dtype or obuf.dtype)
-    launch(scatter_kernel(tile), n_out * (channels // tile), to_device(obuf),
-           to_device(out_lists.count), to_device(out_lists.slots), init is not None, out)
+    launch(scatter_kernel(tile), n_out * (channels // tile), to_device(obuf), to_device(out_lists.masks),
+           to_device(out_lists.buffered), to_device(out_lists.slots), init is not None, out)
     return out
 
 

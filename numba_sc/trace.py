@@ -98,7 +98,7 @@ def trace(coords, features, weight, kernel_size=3, stride=1, dilation=1, backend
     from .kernel_map import build_kernel_map
 
     km = build_kernel_map(x.coords, kernel_size, stride, dilation, tensor_stride=x.stride,
-                          backend=bk, source_block=source_block, query_block=query_block)
+                          backend=bk, source_block=source_block, query_block=query_block, masks=True)
     f, w, km, plan = _prepare_layer(x, weight, kernel_size, stride, dilation, False, km, bk)
     t = Trace()
     t["P"], t["Q"], t["offsets"] = to_host(km.in_coords), to_host(km.out_coords), np.asarray(km.offsets)

@@ -27,7 +27,7 @@ from numba_sc.conv import gmas, resolve_tiles
 from numba_sc.gather import divisors, gather_cuda, gather_reference
 from numba_sc.gemm_grouping import make_groups, offset_order, padding_report
 from numba_sc.kernel_map import build_kernel_map
-from numba_sc.metadata import (ITEMS_PER_THREAD, PointLists, build_plan, build_plan_cuda,
+from numba_sc.metadata import (ITEMS_PER_THREAD, build_plan, build_plan_cuda,
                                chunk_counts_cuda, chunk_counts_reference, chunk_rank_reference,
                                chunk_size, lists_from_table, masks_cuda, masks_reference,
                                table_from_lists)
@@ -401,20 +401,23 @@ def check_plan_tables(plan, km):
         assert (out_table[~has, k] == -1).all()
         want_in[table[k, has], k] = rows
     np.testing.assert_array_equal(in_table, want_in)
-    check_lists(plan.out_lists, out_table, ordered=True)
-    check_lists(plan.in_lists, in_table, ordered=False)
+    check_lists(plan.out_lists, out_table)
+    check_lists(plan.in_lists, in_table)
 
 
-def check_lists(lists, dense, ordered):
-    """``lists`` hold each point's valid entries of ``dense`` (in offset order if
-    ``ordered``), read straight from the lists, not through the plan's dense view."""
+def check_lists(lists, dense):
+    """``lists`` hold each point's valid entries of ``dense``, in offset order, read
+    straight from the lists' arrays, not through the plan's dense view."""
     count, rows = to_host(lists.count), to_host(lists.rows)
     np.testing.assert_array_equal(count, (dense >= 0).sum(axis=1))
     for n in range(len(count)):
-        got = rows[n, :count[n]]
-        want = dense[n][dense[n] >= 0]  # offset order
-        np.testing.assert_array_equal(got if ordered else np.sort(got),
-                                      want if ordered else np.sort(want))
+        np.testing.assert_array_equal(rows[n, :count[n]], dense[n][dense[n] >= 0])
+
+
+def on_host(lists, **changes):
+    """A copy of ``lists`` with every array on the host, some replaced."""
+    host = {f.name: to_host(getattr(lists, f.name)) for f in dataclasses.fields(lists)}
+    return dataclasses.replace(lists, **{**host, **changes})
 
 
 def assert_plans_equal(a, b):
@@ -442,16 +445,26 @@ def test_chunk_counts_kernel_matches_reference(rng):
 
 def test_masks_from_the_search_and_from_the_table(rng):
     """The forward search's masks (mirrored pairs included) == the masks kernel's ==
-    the reference's, for one word of offsets and for four (K = 125)."""
+    the reference's, on both sides, for one word of offsets and for four (K = 125)."""
     x = tensor(rng, 150, 1)
     for ks, stride, symmetric in [(3, 1, True), (3, 1, False), (2, 2, True), (5, 1, True)]:
-        km = build_kernel_map(x.coords, ks, stride, symmetric=symmetric)
-        want = masks_reference(km.table)
-        assert want.shape == (-(-len(km.offsets) // 32), len(km.out_coords)) and want.any()
-        np.testing.assert_array_equal(to_host(as_array(km.masks)), want)
-        np.testing.assert_array_equal(to_host(masks_cuda(km.table)), want)
-    # the docstring's worked example: output 1 has a pair through offset 1 only
-    np.testing.assert_array_equal(masks_reference(np.array([[1, -1, 0], [0, 1, 2]])), [[3, 2, 3]])
+        km = build_kernel_map(x.coords, ks, stride, symmetric=symmetric, masks=True)
+        n_in = len(km.in_coords)
+        want_out, want_in = masks_reference(km.table, n_in)
+        W = -(-len(km.offsets) // 32)
+        assert want_out.shape == (W, len(km.out_coords)) and want_out.any()
+        assert want_in.shape == (W, n_in) and want_in.any()
+        got_out, got_in = masks_cuda(km.table, n_in)
+        for got, want in [(km.out_masks, want_out), (km.in_masks, want_in), (got_out, want_out),
+                          (got_in, want_in)]:
+            np.testing.assert_array_equal(to_host(as_array(got)), want)
+    plain = build_kernel_map(x.coords, 3)  # the Map step alone makes none
+    assert plain.out_masks is None and plain.in_masks is None
+    # the docstring's worked example: output 1 has a pair through offset 1 only;
+    # input 2 is fed through offset 1 only (table[1, 2] = 2), input 1 through both
+    out_m, in_m = masks_reference(np.array([[1, -1, 0], [0, 1, 2]]), 3)
+    np.testing.assert_array_equal(out_m, [[3, 2, 3]])
+    np.testing.assert_array_equal(in_m, [[3, 3, 2]])
 
 
 def test_chunk_rank_is_the_rank_at_each_chunk_start(rng):
@@ -543,16 +556,24 @@ def test_metadata_check_sees_one_corrupted_entry(rng):
         rows = to_host(lists.rows).copy()
         n = int(np.flatnonzero(to_host(lists.count) > 0)[-1])
         rows[n, 0] += 1
-        bad = dataclasses.replace(good, **{side: PointLists(lists.count, np.ascontiguousarray(rows.T))})
+        bad = dataclasses.replace(good, **{side: on_host(lists, slots=np.ascontiguousarray(rows.T))})
         with pytest.raises(AssertionError):
             check_plan_tables(bad, synthetic_map(table, n_in))
-    # ... and so are two entries of one output list swapped (the scatter's order).
-    count, rows = to_host(good.out_lists.count), to_host(good.out_lists.rows).copy()
-    n = int(np.flatnonzero(count > 1)[0])
-    rows[n, [0, 1]] = rows[n, [1, 0]]
-    swapped = PointLists(good.out_lists.count, np.ascontiguousarray(rows.T))
-    with pytest.raises(AssertionError):
-        check_plan_tables(dataclasses.replace(good, out_lists=swapped), synthetic_map(table, n_in))
+    # ... and so are two entries of one list swapped (the order is offset order), and
+    # one bit of a mask cleared.
+    for side in ("out_lists", "in_lists"):
+        lists = getattr(good, side)
+        count, rows = to_host(lists.count), to_host(lists.rows).copy()
+        n = int(np.flatnonzero(count > 1)[0])
+        rows[n, [0, 1]] = rows[n, [1, 0]]
+        swapped = on_host(lists, slots=np.ascontiguousarray(rows.T))
+        with pytest.raises(AssertionError):
+            check_plan_tables(dataclasses.replace(good, **{side: swapped}), synthetic_map(table, n_in))
+        masks = to_host(lists.masks).copy()
+        masks[0, n] &= masks[0, n] - 1  # the lowest set bit
+        cleared = on_host(lists, masks=masks)
+        with pytest.raises(AssertionError):
+            check_plan_tables(dataclasses.replace(good, **{side: cleared}), synthetic_map(table, n_in))
 
 
 def test_point_lists_round_trip(rng):
@@ -561,7 +582,7 @@ def test_point_lists_round_trip(rng):
     plan = build_plan(synthetic_map(table, n_in), max_padding=0.0, backend="reference")
     for dense in (plan.out_table, plan.in_table):
         lists = lists_from_table(dense)
-        check_lists(lists, dense, ordered=True)
+        check_lists(lists, dense)
         np.testing.assert_array_equal(table_from_lists(lists, plan.row_offset, dense.shape[1]), dense)
     f = rng.standard_normal((n_in, 4)).astype(np.float32)
     real = np.zeros(plan.rows, bool)
