@@ -141,7 +141,7 @@ def bench_numba_sc(coords, cin, cout, dtype, args, rec):
     obuf = cupy.empty((plan.rows, cout), dtype=dtype)
     init = centre_product_cuda(f, wd, plan.centre) if plan.centre >= 0 else None
     stages = {
-        "map": lambda: build_kernel_map(x.coords, 3, backend="cuda", assume_sorted=True),
+        "map": lambda: build_kernel_map(x.coords, 3, backend="cuda", assume_sorted=True, masks=True),
         "metadata": lambda: build_plan(km, backend="cuda"),
         "centre": (lambda: centre_product_cuda(f, wd, plan.centre)) if plan.centre >= 0 else None,
         "gather": lambda: gather_cuda(f, plan.in_lists, plan.rows, tiles[0]),

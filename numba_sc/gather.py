@@ -7,29 +7,38 @@ those rows, ready for the grouped GEMMs.
 
 Minuet's kernel gives one thread to each (channel tile, input point): the thread
 loads ``T`` consecutive channels of the point into registers *once*, then walks
-the point's K table entries and writes the tile to every buffer row it finds.
+the point's entries and writes the tile to every buffer row it finds.
 The tile size trades two costs (Section 5.2.1):
 
-* every thread reads the K table entries of its point, so the table is read
-  ``C_in / T`` times per point: a larger T reads it less often;
+* every thread reads its point's metadata, so it is read ``C_in / T`` times per
+  point: a larger T reads it less often;
 * there are ``|P| * C_in / T`` threads: a smaller T gives more parallelism,
   which a big GPU needs when the cloud is small.
 
 Hence the autotuner (:mod:`numba_sc.autotune`) tries every divisor of C_in.
 
-Worked example, ``C_in = 4``, ``T = 2``, input 0 with table row ``[1, -1, 6]``::
+Which entries: Algorithm 1 walks all K offsets of a dense table row, most of
+them empty on a sparse cloud. Here the metadata are compressed per point
+(:class:`numba_sc.metadata.PointLists`, PCEngine's idea, which the Minuet paper
+names as orthogonal to its own): a bit mask of the point's offsets with a pair,
+whose set bits give the length of its list, and the list of rows. The thread
+reads the mask word, and then only the rows that exist.
+
+Worked example, ``C_in = 4``, ``T = 2``, input 0 with rows ``[1, 6]`` (offsets 0
+and 2; mask ``0b101``)::
 
     thread (point 0, tile 0): v = F[0, 0:2]; buf[1, 0:2] = v; buf[6, 0:2] = v
     thread (point 0, tile 1): v = F[0, 2:4]; buf[1, 2:4] = v; buf[6, 2:4] = v
 
-Napkin math, fp32: the features are read once (``4|P|C_in`` bytes), the table
-``C_in/T`` times (``4|P|K * C_in/T``), and every pair's row is written once
-(``4 * pairs * C_in``). A SemanticKITTI scan at 0.05 m (94,444 voxels) has
-190k pairs outside the centre in a 3x3x3 layer, so at 64 channels the gather
-reads 24 MB of features and 10 MB of table (with T = 8, each entry is requested
-by the 8 tile threads of its point, neighbours in a warp: one DRAM read, 8
-cache hits) and writes 49 MB of buffer. A point with no pair outside the centre
-has its features never read.
+Napkin math, fp32: the features of points with pairs are read once
+(``4|P|C_in`` at most), the mask ``C_in/T`` times (``8|P| * C_in/T``, cache
+hits after the first of the tile threads, which are neighbours in a warp), the
+rows once per tile (``4 * pairs * C_in/T``), and every pair's row of the buffer
+is written once (``4 * pairs * C_in``). A SemanticKITTI scan at 0.05 m (94,444
+voxels) has 190k pairs outside the centre in a 3x3x3 layer, so at 64 channels
+the gather reads 24 MB of features and ~1 MB of metadata and writes 49 MB of
+buffer (the dense table it replaced was 10 MB, read once per point and tile).
+A point with no pair outside the centre has its features never read.
 
 Padding rows of the buffer are not written: their GEMM results land in padding
 rows of the output buffer, which the scatter never reads.

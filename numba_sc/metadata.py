@@ -26,16 +26,17 @@ input table ``in_table`` (|P| x K), int32
 output table ``out_table`` (|Q| x K), int32
     ``out_table[i, k]`` = buffer row holding output i's partial result through
     offset k, or -1.
-memory layout of both tables
-    Offset-major: the device keeps ``(K, N)`` C-contiguous arrays and the plan
-    shows them as their transposes, ``(N, K)`` views (Fortran order). Every
-    kernel that touches them works on one offset at a time for neighbouring
-    points: :func:`tables_kernel` writes offset k's entries of consecutive
-    outputs, and the warps of the gather and scatter read entry k of
-    consecutive points. Offset-major, those are neighbouring addresses. In the
-    row-major (N, K) layout each 4-byte access fell in a sector of its own: on the
-    H100 the tables kernel took 604 us for 1M points that way
-    (``benchmarks/probe_timeline.py``).
+the lists the kernels read (:class:`PointLists`)
+    The two tables are how the layout is *defined* (and what the reference and
+    the notebooks show), but on a sparse cloud most of their entries are -1:
+    27 x 1M entries for ~0.4M pairs on 1M random voxels in 400^3. So the device
+    keeps them compressed, PCEngine's way (its coded CSR; Minuet, Section 6,
+    names it as combining with its own ideas): per point, a bit mask of the
+    offsets it has a pair at, and its rows, one per set bit, in offset order.
+    The gather and scatter threads then visit a point's real pairs only. On the
+    H100, 1M random voxels, 64 channels: gather 357 -> 123 us, scatter 388 ->
+    152 us, this stage 313 -> 204 us (Nsight Compute, same run). ``plan.in_table`` and
+    ``plan.out_table`` unpack the lists on demand.
 
 The submanifold centre: with stride 1 and ``Q = P``, offset (0, 0, 0) maps every
 point to itself, so its "gather" would copy the whole feature matrix in order.
@@ -53,6 +54,11 @@ Worked example, 3 outputs, K = 2, max_padding 0 (so no grouping)::
     out_table (|Q| x K) = [[0, 2], [-1, 3], [1, 4]]
     in_table  (|P| x K) = [[1, 2], [0, 3], [-1, 4]]   (input 0 feeds output 2 via k=0)
 
+The same example as lists (masks in binary, offset 0 the lowest bit)::
+
+    out masks [0b11, 0b10, 0b11]   out rows: output 0 [0, 2], output 1 [3], output 2 [1, 4]
+    in masks  [0b11, 0b11, 0b10]   in rows:  input 0  [1, 2], input 1  [0, 3], input 2  [4]
+
 How the device finds the ranks. The plain way is a scan of ``table >= 0`` along
 each offset's row, but a library scan over all K x |Q| entries is what used to
 dominate this stage (CuPy on an H100: 107 us for 27 x 94k, 854 us for 27 x 1M,
@@ -60,41 +66,48 @@ dominate this stage (CuPy on an H100: 107 us for 27 x 94k, 854 us for 27 x 1M,
 into *chunks* of ``CHUNK`` consecutive outputs (1024 on a GPU: 128 threads x 8
 outputs each), and the rank is split in two parts:
 
-1. :func:`chunk_counts_kernel`, one block per (offset k, chunk c), counts the
-   pairs of k in chunk c: ``counts2d`` (K x n_chunks). A map from the kernel
-   path already has them (``KernelMap.chunk_counts``): its forward search
-   counted each pair where it found it, so this pass over the map is skipped.
-2. :func:`tables_kernel`, one block per (k, c): the block first adds up
-   ``counts2d[k, :c]``, the pairs of offset k in the chunks before c, which is
-   the rank of chunk (k, c)'s first pair (at most |Q| / 1024 numbers, shared
-   among the block's threads). Then each thread counts its run of 8 outputs,
-   the block scans those counts, and each thread walks its run again, giving
-   its pairs consecutive ranks from there and writing both tables. (A library
-   scan of ``counts2d`` would do step 2's sum once for all blocks, but it costs
-   three launches and ~60 us of host time; the sums cost the GPU next to nothing.)
+1. ``counts2d`` (K x n_chunks), the pairs of offset k in chunk c. A map from the
+   kernel path has them (``KernelMap.chunk_counts``: its forward search counted
+   each pair where it found it); for any other map :func:`chunk_counts_kernel`
+   counts them, one block per (k, c).
+2. :func:`lists_kernel`, one block per (k, c): the pairs of k in the chunks
+   before c (a sum over ``counts2d[k, :c]``) plus a scan over the block of the
+   threads' own counts give each pair its rank; each thread walks its run of
+   8 outputs again and writes each pair's row into its output's list and its
+   input's list.
 
 The same example in chunks of 2 outputs: ``counts2d = [[1, 1], [2, 1]]``, so
 chunk 1's first pair has rank 1 in k=0 and rank 2 in k=1: output 2 (chunk 1) is
 pair number 1 of k=0 (row 0 + 1 = 1) and pair number 2 of k=1 (row 2 + 2 = 4),
 as above.
 
-GPU cost for K offsets, |Q| outputs and |P| inputs (int32 everywhere; K = 27,
+Where in a list a pair goes: its *slot* is the number of set bits below k in
+the point's mask (counting only offsets in the buffers). So the lists need the
+masks first. A layer's own map has them: ``build_kernel_map(..., masks=True)``,
+which :func:`numba_sc.sparse_conv3d` asks for, has the forward search set bit k
+of output i and of input j (an atomic OR) for every pair it finds; for any
+other map :func:`masks_kernel` reads the table once to set them. Slots from
+masks need no atomic counters, so every list comes out in offset order and a
+plan is the same run after run.
+
+GPU cost for K offsets, |Q| outputs and |P| inputs (int32 table; K = 27,
 |Q| = |P| = 94k makes 4K|Q| = 10 MB):
 
-* ``chunk_counts_kernel`` reads the map once (4K|Q|) and writes 4 bytes per
-  chunk (4K|Q| / 1024, 10 KB).
-* the fill of ``in_table`` writes 4K|P|.
-* ``tables_kernel`` reads the map again (4K|Q|; a 10 MB map may still be in the
-  50 MB L2) and the chunk counts, writes ``out_table`` (4K|Q|) and 4 bytes of
-  ``in_table`` per buffered pair.
+* :func:`lists_kernel` reads the map twice (4K|Q| each; the K blocks of a chunk
+  run together, so the second read and the other offsets' reads mostly hit the
+  L2), ``counts2d`` and, per pair, one mask word of its output and of its input
+  (8 B each), and writes 4 bytes per pair into each side's list.
+* (``masks_kernel``, only for a map without masks: reads the map once and
+  writes 8 bytes per point and side.)
 
-About 8K|Q| read and 8K|Q| + 4 bytes a pair written: ~40 MB, ~15 us at the
-H100's ~3 TB/s for 94k points, ~430 MB (~150 us) for 1M, against 107 / 854 us
-for the old 2-D scan alone; the old path also wrote ``table >= 0`` and the
-K x |Q| rank to memory and read them back (~10K|Q| more bytes). These are
-estimates from bytes moved. The only device->host copy is the K pair counts,
-which the host needs anyway to size the buffers and shape the GEMMs; the base
-rows go the other way through pinned memory, without a sync.
+About 8K|Q| + 24 bytes a pair: ~25 MB for 94k points, ~230 MB for 1M, against
+~430 MB when this stage wrote the dense (K, N) tables (and the gather and
+scatter then read all of them: 4K|P| + 4K|Q| more per channel tile). These are
+estimates from bytes moved; on the H100 the kernel is bound by its instruction
+issue rate (76 % on 1M points: index arithmetic and the block scan), not by
+memory. The only device->host copy is the K pair counts, which the host needs
+anyway to size the buffers and shape the GEMMs; the base rows go the other way
+through pinned memory, without a sync.
 """
 from __future__ import annotations
 
@@ -320,9 +333,7 @@ def _device_layout(base):
     """``base`` and :func:`buffered_bits` in one int64 array, copied to the device
     at once (one pinned copy), handed out as two pieces."""
     K = len(base)
-    bits = [0] * -(-K // MASK_BITS)
-    for k in np.flatnonzero(base >= 0).tolist():  # a Python loop over K numbers: ~2 us
-        bits[k // MASK_BITS] |= 1 << (k % MASK_BITS)
+    bits = buffered_bits(base)
     layout = to_device_async(np.array(base.tolist() + bits, dtype=np.int64))
     return piece(layout, 0, (K,), np.int64), piece(layout, 8 * K, (len(bits),), np.int64)
 
@@ -343,7 +354,7 @@ def build_plan_reference(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDI
     in_table = np.full((n_in, K), -1, dtype=np.int32)
     out_table[ii, kk] = rows_of_pair
     in_table[table[kk, ii], kk] = rows_of_pair
-    buffered = buffered_bits(base)
+    buffered = np.array(buffered_bits(base), dtype=np.int64)
     plan = GmasPlan(counts, order, groups, base, rows, centre, _ref_lists(in_table, buffered),
                     _ref_lists(out_table, buffered), policy)
     plan._tables.update(out=out_table, **{"in": in_table})  # the dense views, already made
@@ -382,7 +393,7 @@ def masks_reference(table, n_in):
 
 def chunk_rank_reference(counts2d) -> np.ndarray:
     """Rank of each chunk's first pair within its offset: ``counts2d[k, :c].sum()``,
-    what each block of :func:`tables_kernel` adds up for itself. It equals
+    what each block of :func:`lists_kernel` adds up for itself. It equals
     ``rank[k, c * chunk]`` of the plain per-offset scan."""
     counts2d = np.asarray(counts2d, dtype=np.int64)
     return np.cumsum(counts2d, axis=1) - counts2d
@@ -446,7 +457,7 @@ def chunk_counts_kernel(table, chunk, counts2d):
     Thread t counts its 8 outputs: 32 contiguous bytes of the table, one memory
     sector, so the block reads its 4 KB piece of row k once and in full. Blocks
     are numbered with k varying fastest (block = c * K + k), as in
-    :func:`tables_kernel`.
+    :func:`lists_kernel`.
     """
     K = table.shape[0]
     k = cuda.blockIdx.x % K
@@ -457,7 +468,7 @@ def chunk_counts_kernel(table, chunk, counts2d):
     partial[t] = _hits(table, k, lo, hi)
     cuda.syncthreads()  # every thread's count is in before thread 0 adds them up
     if t == 0:
-        # A sequential sum, not a tree: see the scan in tables_kernel for why.
+        # A sequential sum: one number per block, read back once.
         total = 0
         for u in range(cuda.blockDim.x):
             total += partial[u]
@@ -602,13 +613,14 @@ def masks_cuda(table, n_in):
     return out_masks, in_masks
 
 
-def buffered_bits(base) -> np.ndarray:
-    """int64 (ceil(K / MASK_BITS),): bit k % 32 of word k // 32 set when offset k is
-    in the buffers (``base[k] >= 0``)."""
-    base = np.asarray(base)
-    flags = np.zeros(-(-len(base) // MASK_BITS) * MASK_BITS, dtype=np.int64)
-    flags[:len(base)] = base >= 0
-    return (flags.reshape(-1, MASK_BITS) << np.arange(MASK_BITS)).sum(axis=1)
+def buffered_bits(base) -> list:
+    """ceil(K / MASK_BITS) ints: bit k % 32 of word k // 32 set when offset k is in the
+    buffers (``base[k] >= 0``). A Python loop over K numbers: ~2 us, less than
+    the NumPy calls it would take."""
+    bits = [0] * -(-len(base) // MASK_BITS)
+    for k in np.flatnonzero(np.asarray(base) >= 0).tolist():
+        bits[k // MASK_BITS] |= 1 << (k % MASK_BITS)
+    return bits
 
 
 def chunk_counts_cuda(table, threads: int | None = None):
@@ -627,7 +639,8 @@ def chunk_counts_cuda(table, threads: int | None = None):
 def build_plan_cuda(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
                     solo_rows=gg.DEFAULT_SOLO_ROWS, direct_centre=True,
                     threads: int | None = None) -> GmasPlan:
-    """Device version: (count per chunk,) one fill, the lists (one kernel, no sync).
+    """Device version: the lists, one kernel and no sync (plus, for a map that did not
+    come with them, a pass for the pair counts per chunk and one for the masks).
 
     ``threads``: threads per block, so chunks of ``threads * ITEMS_PER_THREAD``
     outputs (default :func:`metadata_threads`; the tests vary it).

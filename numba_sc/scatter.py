@@ -9,19 +9,22 @@ through, each in its own row of the output buffer (the output table of
 where ``init`` is the submanifold centre's product ``F @ W[centre]`` (or zero).
 
 One thread per (channel tile, output point), mirroring the gather: the thread
-owns its tile of its output, accumulates the K partial results in registers and
+owns its tile of its output, accumulates its partial results in registers and
 writes the tile once. No other thread touches that tile, so there are no atomics
-and the sum is taken in a fixed order (offset order): the result is
-deterministic, run after run. Sums are accumulated in fp32 also for fp16 data.
+and the sum is taken in a fixed order (offset order: the order of the output's
+list, :class:`numba_sc.metadata.PointLists`): the result is deterministic, run
+after run. Sums are accumulated in fp32 also for fp16 data.
 
-Worked example, ``C_out = 2``, ``T = 1``, output 3 with table row ``[4, -1, 9]``::
+Worked example, ``C_out = 2``, ``T = 1``, output 3 with rows ``[4, 9]`` (its
+table row ``[4, -1, 9]``)::
 
     thread (output 3, tile 0): acc = init[3, 0] + obuf[4, 0] + obuf[9, 0]; out[3, 0] = acc
     thread (output 3, tile 1): acc = init[3, 1] + obuf[4, 1] + obuf[9, 1]; out[3, 1] = acc
 
 Napkin math, fp32: every pair's row is read once (``4 * pairs * C_out``), the
-table ``C_out/T`` times (``4|Q|K * C_out/T``), the output written once
-(``4|Q|C_out``, plus the same read when a centre product is added).
+output's mask word and rows ``C_out/T`` times (``8|Q| + 4 * pairs`` each, mostly
+cache hits), the output written once (``4|Q|C_out`` at most, plus the same read
+when a centre product is added; an output without pairs is not touched).
 """
 from __future__ import annotations
 
