@@ -294,6 +294,12 @@ def test_metadata_worked_example():
         np.testing.assert_array_equal(plan.base, [0, 2])
         np.testing.assert_array_equal(to_host(plan.out_table), [[0, 2], [-1, 3], [1, 4]])
         np.testing.assert_array_equal(to_host(plan.in_table), [[1, 2], [0, 3], [-1, 4]])
+        # ... and as the lists the kernels read
+        for lists, masks, rows in [(plan.out_lists, [0b11, 0b10, 0b11], [[0, 2], [3], [1, 4]]),
+                                   (plan.in_lists, [0b11, 0b11, 0b10], [[1, 2], [0, 3], [4]])]:
+            np.testing.assert_array_equal(to_host(as_array(lists.masks))[0], masks)
+            count, got = to_host(lists.count), to_host(lists.rows)
+            assert [got[n, :count[n]].tolist() for n in range(3)] == rows
 
 
 def test_grouping_padding_by_hand():
