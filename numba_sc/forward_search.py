@@ -275,11 +275,11 @@ def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=N
     whole table again. Counting where the pairs are found saves that pass.
     ``chunk_counts``, when given, must be zeros of that shape (made here otherwise).
     ``out_masks``, ``in_masks``: int64 zeros (ceil(K / MASK_BITS), |Q|) and
-    (..., |P|), or None (no masks: the Map step alone does not need them): bit ``k % MASK_BITS`` of ``out_masks[k //
-    MASK_BITS, i]`` is set when output i has a pair through offset k, and of
-    ``in_masks[k // MASK_BITS, j]`` when input j has one (the metadata stage's
-    :func:`~numba_sc.metadata.masks_kernel` would find them by reading the whole
-    table again).
+    (..., |P|), or None (no masks: the Map step alone does not need them). Bit
+    ``k % MASK_BITS`` of ``out_masks[k // MASK_BITS, i]`` is set when output i
+    has a pair through offset k, and of ``in_masks[k // MASK_BITS, j]`` when
+    input j has one (the metadata stage's :func:`~numba_sc.metadata.masks_kernel`
+    would find them by reading the whole table again).
     """
     K = deltas.shape[0] if n_offsets is None else int(n_offsets)
     table = filled((K, qkeys.shape[0]), np.int32, -1)  # misses stay -1: only hits are written

@@ -51,7 +51,7 @@ import numpy as np
 from numba import cuda, float32
 
 from .backend import device_xp, launch, resolve_backend, simulating, to_device
-from .metadata import PointLists, lists_from_table
+from .metadata import as_point_lists
 
 
 def check_tile(tile, channels, name="tile_size", what="channels"):
@@ -130,8 +130,7 @@ def gather_cuda(features, in_lists, rows, tile):
     """
     xp = device_xp()
     f = to_device(features)
-    if not isinstance(in_lists, PointLists):
-        in_lists = lists_from_table(to_device(in_lists))
+    in_lists = as_point_lists(in_lists)
     # Padding rows stay unwritten on the GPU (saves a memset of the whole buffer).
     # Under the simulator they are zeroed, only so that NumPy never sees garbage
     # that could trip an overflow warning in the fp16 GEMM.

@@ -76,7 +76,7 @@ from .backend import (as_array, device_xp, filled, is_cupy, like, piece, resolve
 from .backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backward_search_cuda, backward_search_reference, check_block_sizes,
                               max_balanced_blocks, num_source_blocks, split_query_blocks_reference)
 from .forward_search import forward_search_cuda, forward_search_reference, mirror_reference
-from .metadata import MASK_BITS, chunk_size
+from .metadata import chunk_size, mask_words
 from .output_coords import output_coordinates
 from .sorting import sort_rows_cuda, sort_rows_reference
 
@@ -367,11 +367,12 @@ class _Work:
 
         report        REPORT_ROWS + 1 + K   the flags, the row count, pairs per offset
         chunk_counts  K * n_chunks int32     pairs per offset and chunk of outputs
-        out_masks     W * |Q|                which offsets have a pair at each output
-        in_masks      W * |P|                ... and at each input (W = ceil(K / MASK_BITS))
         keys          |P| (+ |Q|)            packed input (and output) keys
         bounds        h * (nblocks + 1)      query block borders
         rows          upper * 4 int32        balanced query blocks
+        out_masks     W * |Q|                which offsets have a pair at each output
+        in_masks      W * |P|                ... and at each input (W = mask_words(K),
+                                             0 unless the caller asked for masks)
 
     ``report`` is a CuPy (or NumPy) array, since the map hands out a view of it
     (``counts``); the rest are :class:`numba_sc.backend.Piece` s, kernel arguments only.
@@ -382,7 +383,7 @@ class _Work:
         self.upper = max_balanced_blocks(h, P, Q, B, C)
         nb = num_source_blocks(P, B)
         R = REPORT_ROWS + 1 + K
-        W = -(-K // MASK_BITS) if masks else 0
+        W = mask_words(K) if masks else 0
         words = [R, -(-K * self.n_chunks // 2), P, Q if two_sides else 0, h * (nb + 1), 2 * max(self.upper, 1),
                  W * Q, W * P]
         starts = [8 * w for w in accumulate(words, initial=0)]  # byte offsets (Python ints: cheap)

@@ -180,7 +180,7 @@ def masks_from_hits(hit):
     of column n set where ``hit[k, n]``."""
     xp = np if isinstance(hit, np.ndarray) else device_xp()
     K, n = hit.shape
-    W = -(-K // MASK_BITS)
+    W = mask_words(K)
     padded = xp.zeros((W * MASK_BITS, n), dtype=np.int64)
     padded[:K] = hit
     return (padded.reshape(W, MASK_BITS, n) << xp.arange(MASK_BITS, dtype=np.int64)[:, None]).sum(axis=1)
@@ -199,6 +199,14 @@ def lists_from_table(table) -> PointLists:
     masks = masks_from_hits((table >= 0).T)
     buffered = masks_from_hits(xp.ones((K, 1), dtype=bool))[:, 0]
     return PointLists(xp.ascontiguousarray(rows.T.astype(np.int32)), masks, buffered)
+
+
+def as_point_lists(lists_or_table) -> PointLists:
+    """A plan's :class:`PointLists` as they are; a dense (N, K) table of rows or -1
+    (host or device) packed into lists on the device (:func:`lists_from_table`)."""
+    if isinstance(lists_or_table, PointLists):
+        return lists_or_table
+    return lists_from_table(to_device(lists_or_table))
 
 
 def table_from_lists(lists: PointLists, row_offset, K: int):
@@ -247,10 +255,8 @@ class GmasPlan:
     def row_offset(self) -> np.ndarray:
         """Host int64 (rows,): the offset each buffer row belongs to, -1 for padding."""
         ro = np.full(self.rows, -1, dtype=np.int64)
-        for g in self.groups:
-            for m, k in enumerate(g.members):
-                first = g.start + m * g.rows
-                ro[first:first + int(self.counts[k])] = k
+        for k in self.order:  # offset k's pairs fill rows base[k] .. base[k] + counts[k] - 1
+            ro[self.base[k]:self.base[k] + self.counts[k]] = k
         return ro
 
     def _table(self, side):
@@ -513,6 +519,11 @@ def _block_first_ranks(counts2d, k, c, n_hits, scan, first):
 
 
 MASK_BITS = 32  # offsets per word of an output's mask
+
+
+def mask_words(K: int) -> int:
+    """Words of a point's mask for K offsets: ceil(K / MASK_BITS)."""
+    return -(-K // MASK_BITS)
 AHEAD = 8  # table entries a thread reads before testing the first of them
 
 
@@ -605,7 +616,7 @@ def masks_cuda(table, n_in):
     """``(out_masks, in_masks)`` of a map's table (kernel; see :func:`masks_reference`)."""
     table = to_device(table)
     K, n_out = table.shape
-    W = -(-K // MASK_BITS)
+    W = mask_words(K)
     out_masks = device_xp().empty((W, n_out), dtype=np.int64)  # every word is written
     in_masks = filled((W, n_in), np.int64, 0)  # bits are ORed in
     if n_out:
@@ -617,7 +628,7 @@ def buffered_bits(base) -> list:
     """ceil(K / MASK_BITS) ints: bit k % 32 of word k // 32 set when offset k is in the
     buffers (``base[k] >= 0``). A Python loop over K numbers: ~2 us, less than
     the NumPy calls it would take."""
-    bits = [0] * -(-len(base) // MASK_BITS)
+    bits = [0] * mask_words(len(base))
     for k in np.flatnonzero(np.asarray(base) >= 0).tolist():
         bits[k // MASK_BITS] |= 1 << (k % MASK_BITS)
     return bits

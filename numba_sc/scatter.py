@@ -35,7 +35,7 @@ from numba import cuda, float32
 
 from .backend import device_xp, launch, resolve_backend, to_device
 from .gather import check_tile
-from .metadata import PointLists, lists_from_table
+from .metadata import as_point_lists
 
 
 # ------------------------------------------------------------------ reference
@@ -102,8 +102,7 @@ def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=No
     into in place), saving a separate addition.
     """
     xp = device_xp()
-    if not isinstance(out_lists, PointLists):
-        out_lists = lists_from_table(to_device(out_lists))
+    out_lists = as_point_lists(out_lists)
     n_out = len(out_lists) if n_out is None else n_out
     channels = obuf.shape[1] if channels is None else channels
     if init is not None:
