@@ -6,7 +6,8 @@ the kernel, sets the wall time. This measures a trivial 3-array kernel launched
 - with CuPy arrays (Numba reads ``__cuda_array_interface__`` each call),
 - with ``cuda.as_cuda_array`` views made per call,
 - with Numba device arrays made once,
-- through ``numba_sc.backend.launch`` (what the package does).
+- through ``numba_sc.backend.launch`` (what the package does: ``cuLaunchKernel``
+  from prepared parameter slots), and the same with ``cuda.core.launch``.
 
 Median host microseconds over 2000 launches (no synchronisation inside the loop).
 Run on a GPU machine; never in CI.
@@ -23,6 +24,7 @@ def main():
     import cupy
     from numba import cuda
 
+    from numba_sc import backend
     from numba_sc.backend import launch
 
     @cuda.jit
@@ -30,6 +32,13 @@ def main():
         i = cuda.grid(1)
         if i < out.shape[0]:
             out[i] = 2.0 * x[i] + y[i]
+
+    def through_core():  # the fast path with cuda.core.launch instead of cuLaunchKernel
+        backend._FAST.raw = False
+        try:
+            launch(axpy, n, x, y, out)
+        finally:
+            backend._FAST.raw = True
 
     n = 1 << 16
     x, y, out = (cupy.ones(n, cupy.float32) for _ in range(3))
@@ -54,6 +63,7 @@ def main():
                                                          cuda.as_cuda_array(out)),
         "numba device arrays": lambda: axpy[256, 256](nx, ny, nout),
         "numba_sc.backend.launch": lambda: launch(axpy, n, x, y, out),
+        "  ... via cuda.core.launch": through_core,
         "cupy elementwise (peer)": lambda: cupy.add(x, y, out=out),
     }
     print(f"{'how the arguments are passed':30s} {'host us / launch':>16s}")

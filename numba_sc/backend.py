@@ -18,8 +18,10 @@ were given; arrays move between host and device only here, at the edge.
 """
 from __future__ import annotations
 
+import array
 import ctypes
 import sys
+import threading
 
 import numpy as np
 from numba import config, cuda
@@ -101,10 +103,17 @@ def to_device(a):
     """
     if a is None or type(a) is Piece:
         return a  # (a piece is device memory, contiguous, already)
+    if type(a) in _CONTIGUOUS_DEVICE_TYPES and a._c_contiguous:
+        return a  # a CuPy array already: the common case, no library call (~2 us saved)
     xp = device_xp()
     a = xp.asarray(a)
+    if xp is not np and not _CONTIGUOUS_DEVICE_TYPES:
+        _CONTIGUOUS_DEVICE_TYPES.add(xp.ndarray)
     # (not ascontiguousarray unconditionally: it turns a 0-d array into a 1-d one)
     return a if a.flags.c_contiguous else xp.ascontiguousarray(a)
+
+
+_CONTIGUOUS_DEVICE_TYPES = set()  # CuPy's ndarray, once seen (whose _c_contiguous flag is cheap to read)
 
 
 def filled(shape, dtype, value):
@@ -176,7 +185,8 @@ class Piece:
     :func:`piece` returns plain NumPy views instead.
     """
 
-    __slots__ = ("base", "offset", "ptr", "shape", "strides", "dtype", "size", "itemsize", "ndim", "__weakref__")
+    __slots__ = ("base", "offset", "ptr", "shape", "strides", "dtype", "size", "itemsize", "ndim", "flat", "sig",
+                 "__weakref__")
     _c_contiguous = True
 
     def __init__(self, base, offset, shape, dtype):
@@ -188,6 +198,21 @@ class Piece:
             strides = (size * dtype.itemsize,) + strides
             size *= n
         self.size, self.strides = size, strides
+        # What FastLauncher needs, made once here instead of at every launch: the
+        # flattened Numba array struct (meminfo, parent, size, itemsize, data
+        # pointer, shape..., strides...) and the signature key of the argument.
+        self.flat = (0, 0, size, dtype.itemsize, self.ptr, *shape, *strides)
+        self.sig = (dtype.char, len(shape), True)
+
+    def rebased(self, base):
+        """The same piece (offset, shape, dtype) of another allocation ``base``:
+        ~1 us where a new piece costs ~2 us (the Map step cuts a dozen per call)."""
+        p = Piece.__new__(Piece)
+        p.base, p.offset, p.ptr = base, self.offset, base.data.ptr + self.offset
+        p.dtype, p.itemsize, p.shape, p.ndim = self.dtype, self.itemsize, self.shape, self.ndim
+        p.size, p.strides, p.sig = self.size, self.strides, self.sig
+        p.flat = self.flat[:4] + (p.ptr,) + self.flat[5:]
+        return p
 
     @property
     def data(self):  # what the fast launcher reads from a CuPy array: .data.ptr
@@ -205,8 +230,41 @@ class Piece:
         return cupy.ndarray(self.shape, self.dtype, self.base.data + self.offset)
 
     def get(self):
-        """The piece's contents on the host (waits for the GPU, like CuPy's ``get``)."""
-        return self.as_cupy().get()
+        """The piece's contents on the host (waits for the GPU, like CuPy's ``get``).
+
+        Through a pinned host buffer kept per thread: the Map step ends with one
+        such read, and a copy from pinned memory skips the driver's staging of
+        pageable memory (and the CuPy array ``as_cupy`` would make)."""
+        import cupy
+
+        nbytes = self.size * self.itemsize
+        staging = getattr(_READS, "buf", None)
+        if staging is None or staging.nbytes < nbytes:
+            import cupyx
+
+            staging = _READS.buf = cupyx.empty_pinned(max(nbytes, 4096), np.uint8)
+            _READS.ptr = staging.ctypes.data  # (.ctypes builds an object per call)
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memcpyAsync(_READS.ptr, self.ptr, nbytes, 2, stream.ptr)  # 2: device to host
+        stream.synchronize()
+        return staging[:nbytes].view(self.dtype).reshape(self.shape).copy()  # the buffer is reused: copy out
+
+
+class _NoBase:
+    """Stands in for an allocation when a :func:`piece_template` is made: address 0."""
+
+    class data:
+        ptr = 0
+
+    nbytes = 1 << 62
+
+
+def piece_template(offset, shape, dtype):
+    """A :class:`Piece` at ``offset`` of no allocation yet: ``.rebased(base)`` puts it
+    in one. For layouts worked out once and cut from a new allocation each call
+    (~0.3 us a piece instead of ~0.7 us through :func:`piece`, on this machine's
+    CPU; the caller has checked that the layout fits). GPU only."""
+    return Piece(_NoBase, offset, shape, np.dtype(dtype))
 
 
 def as_array(a):
@@ -229,10 +287,18 @@ def piece(base, offset, shape, dtype):
         raise ValueError(f"piece of {nbytes} bytes at {offset} does not fit or align in {base.nbytes} bytes")
     if simulating():
         return base.reshape(-1).view(np.uint8)[offset:offset + nbytes].view(dtype).reshape(shape)
-    return Piece(base, offset, shape, dtype)
+    key = (offset, shape, dtype)
+    template = _TEMPLATES.get(key)
+    if template is None:  # the first piece of this layout: later ones copy its fields
+        if len(_TEMPLATES) > 1024:  # layouts follow the data sizes: keep the cache bounded
+            _TEMPLATES.clear()
+        template = _TEMPLATES[key] = Piece(base, offset, shape, dtype)
+    return template.rebased(base)
 
 
 _DTYPES = {}
+_TEMPLATES = {}  # (offset, shape, dtype) -> a Piece whose fields new pieces copy
+_READS = threading.local()  # .buf: this thread's pinned staging buffer for Piece.get
 
 
 def like(a, template):
@@ -252,19 +318,20 @@ def blocks_for(n: int, threads: int = THREADS) -> int:
 _EXTERNAL_STREAMS = {}
 
 
-def _launch_stream():
-    """The stream a kernel must run on to stay ordered with the CuPy work around it.
-
-    CuPy enqueues on its *current* stream (the legacy default stream unless the
-    caller chose another); Numba launches on stream 0, the same legacy default
-    stream. When the caller has made another CuPy stream current, launch on it
-    (wrapped once per stream, as creating the wrapper costs host time).
-    """
+def _current_stream_ptr() -> int:
+    """The raw handle of CuPy's current stream (0: the legacy default stream, which is
+    also Numba's stream 0). Kernels run there to stay ordered with the CuPy work
+    around them: CuPy enqueues on its *current* stream, which the caller may change."""
     if simulating():
         return 0
     import cupy
 
-    ptr = cupy.cuda.get_current_stream().ptr
+    return cupy.cuda.get_current_stream().ptr
+
+
+def _numba_stream(ptr):
+    """A Numba stream for the raw handle ``ptr`` (wrapped once per stream, as creating
+    the wrapper costs host time)."""
     if ptr == 0:
         return 0
     if ptr not in _EXTERNAL_STREAMS:
@@ -286,13 +353,14 @@ def launch(kernel, n: int, *args, threads: int = THREADS, blocks: int | None = N
     if n <= 0:
         return
     grid = blocks if blocks is not None else blocks_for(n, threads)
-    stream = _launch_stream()
-    if not simulating() and _FAST.launch(kernel, grid, threads, stream, args):
+    ptr = _current_stream_ptr()
+    if not simulating() and _FAST.launch(kernel, grid, threads, ptr, args):
         return
+    stream = _numba_stream(ptr)
     # By default Numba *synchronizes the host* with the stream a CuPy argument
     # advertises (``__cuda_array_interface__["stream"]``) before every launch, so
     # the host would wait for the GPU at each kernel. Our kernels run on the very
-    # stream the CuPy work is queued on (:func:`_launch_stream`), so the order is
+    # stream the CuPy work is queued on (:func:`_current_stream_ptr`), so the order is
     # already guaranteed by the stream itself: that check is switched off around
     # our own launches only.
     previous = _cuda_config.CUDA_ARRAY_INTERFACE_SYNC, sys.getswitchinterval()
@@ -323,33 +391,45 @@ class FastLauncher:
 
     What: Numba passes an array to a kernel as the flattened fields of its array
     struct: ``meminfo, parent, size, itemsize, data pointer, shape..., strides...``
-    (see ``numba.cuda.dispatcher._Kernel._prepare_args``), and launches with
-    ``cuda.core.launch``. Once a kernel has been compiled for a signature (the
-    first, ordinary launch), this class remembers the compiled kernel under a
-    cheap key (dtype, ndim and contiguity of each array, the type of each scalar)
-    and builds those fields straight from the CuPy arrays. Anything it does not
-    recognise falls back to the ordinary dispatcher path.
+    (see ``numba.cuda.dispatcher._Kernel._prepare_args``). Once a kernel has been
+    compiled for a signature (the first, ordinary launch), this class remembers
+    the compiled kernel under a cheap key (dtype, ndim and contiguity of each
+    array, the type of each scalar) and builds those fields straight from the
+    CuPy arrays. Anything it does not recognise falls back to the ordinary
+    dispatcher path.
 
-    (Tried and dropped: passing the parameters to the driver's ``cuLaunchKernel``
-    from a reusable buffer cost 15.6 us a launch on the H100 against 13.5 us for
-    ``cuda.core.launch``; ``benchmarks/probe_timeline.py --micro``. Calling
-    ``libcuda``'s ``cuLaunchKernel`` through ``ctypes`` with all parameters
-    packed by ``struct.pack_into`` into one buffer, made once per kernel: 11.6 us
-    against 10.2 us, same run, ``benchmarks/bench_launch.py``.)
+    How the fields reach the GPU: every one of them is an 8-byte integer (array
+    fields, and the integer and boolean scalars our kernels take), so they are
+    written into one ``array('q')`` per kernel signature, and the driver's
+    ``cuLaunchKernel`` - through CuPy's thin Cython binding - gets an array of
+    pointers to its slots, made once (a parameter narrower than 8 bytes reads the
+    low bytes of its slot: little-endian). The driver copies the values at the
+    call, so the slots can be rewritten at once; a lock keeps two threads from
+    writing them together. Kernels with a float scalar go through
+    ``cuda.core.launch`` instead, as Numba itself does (``raw = False`` sends
+    every kernel that way, for comparisons).
+
+    (Tried and dropped: the same driver call through ``cuda.bindings``, 15.6 us a
+    launch on the H100 against 13.5 us for ``cuda.core.launch``; through
+    ``ctypes`` with the parameters packed by ``struct.pack_into``, 11.6 against
+    10.2 us. Both bindings cost more per call than they saved.)
     """
 
     def __init__(self):
-        self._compiled = {}  # (dispatcher, key) -> (cuda.core kernel, one packer per argument)
+        self._compiled = {}  # (dispatcher, key) -> _Entry
         self._streams = {}
         self._configs = {}  # (grid, threads) -> LaunchConfig, made once
         self._array_types = set()  # CuPy's ndarray class, once seen
+        self.raw = True  # the driver path where it applies (see the class docstring)
 
     def _key(self, args):
         """A cheap signature of the arguments: what picks the compiled overload."""
         key = []
         for a in args:
             t = type(a)
-            if t in self._array_types or t.__module__.startswith("cupy") or t is Piece:
+            if t is Piece:
+                key.append(a.sig)
+            elif t in self._array_types or t.__module__.startswith("cupy"):
                 self._array_types.add(t)
                 contiguous = getattr(a, "_c_contiguous", None)  # CuPy's own flag: no Flags object
                 if contiguous is None:
@@ -373,23 +453,29 @@ class FastLauncher:
             types = tuple(kernel.typeof_pyval(a) for a in args)
             compiled = kernel.overloads[types]
             core_kernel = compiled._codelibrary.get_cufunc().kernel
-            packers = []
+            packers, n_params, integral = [], 0, True
             for ty in compiled.argument_types:
                 if isinstance(ty, nbtypes.Array):
                     packers.append(None)
-                elif isinstance(ty, nbtypes.Integer):
+                    n_params += 5 + 2 * ty.ndim
+                    continue
+                if isinstance(ty, nbtypes.Integer):
                     packers.append(getattr(ctypes, f"c_{ty}"))
-                elif ty == nbtypes.float64:
-                    packers.append(ctypes.c_double)
-                elif ty == nbtypes.float32:
-                    packers.append(ctypes.c_float)
                 elif ty == nbtypes.boolean:
                     packers.append(bool)
+                elif ty == nbtypes.float64:
+                    packers.append(ctypes.c_double)
+                    integral = False
+                elif ty == nbtypes.float32:
+                    packers.append(ctypes.c_float)
+                    integral = False
                 else:
                     return  # an argument kind this class does not pack: slow path
+                n_params += 1
+            raw = _RawParams(int(core_kernel.handle), n_params) if integral else None
         except Exception:  # an internal moved in another numba-cuda: stay on the slow path
             return
-        self._compiled[(kernel, key)] = (core_kernel, tuple(packers))
+        self._compiled[(kernel, key)] = (core_kernel, tuple(packers), raw)
 
     def _config(self, grid, threads):
         from cuda.core import LaunchConfig
@@ -399,32 +485,65 @@ class FastLauncher:
         config = self._configs[(grid, threads)] = LaunchConfig(grid=grid, block=threads)
         return config
 
-    def _stream(self, stream):
+    def _stream(self, ptr):
         from numba.cuda.cudadrv import driver
 
-        core = self._streams[stream] = driver._to_core_stream(stream)
+        core = self._streams[ptr] = driver._to_core_stream(_numba_stream(ptr))
         return core
 
-    def launch(self, kernel, grid, threads, stream, args) -> bool:
+    def launch(self, kernel, grid, threads, stream_ptr, args) -> bool:
+        """Launch on the stream with raw handle ``stream_ptr``; False when this
+        signature has not been learned (the caller takes the dispatcher path)."""
         key = self._key(args)
         entry = self._compiled.get((kernel, key)) if key is not None else None
         if entry is None:
             return False
-        core_kernel, packers = entry
+        core_kernel, packers, raw = entry
         flat = []
+        if raw is not None and self.raw:
+            for pack, a in zip(packers, args):
+                if pack is None:  # the array struct, field by field (a piece has it ready)
+                    flat += a.flat if type(a) is Piece else (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape,
+                                                             *a.strides)
+                else:
+                    flat.append(a)
+            raw.launch(flat, grid, threads, stream_ptr)
+            return True
         for pack, a in zip(packers, args):
-            if pack is None:  # the array struct, field by field
-                flat += (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
+            if pack is None:
+                flat += a.flat if type(a) is Piece else (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
             else:
                 flat.append(pack(a))
-        core_stream = self._streams.get(stream)
+        core_stream = self._streams.get(stream_ptr)
         if core_stream is None:
-            core_stream = self._stream(stream)
+            core_stream = self._stream(stream_ptr)
         config = self._configs.get((grid, threads))
         if config is None:
             config = self._config(grid, threads)
         _core_launch()(core_stream, config, core_kernel, *flat)
         return True
+
+
+class _RawParams:
+    """One kernel signature's parameter slots for ``cuLaunchKernel``: ``n`` 8-byte
+    integers and the array of pointers to them that the driver reads."""
+
+    def __init__(self, handle, n):
+        from cupy_backends.cuda.api import driver
+
+        self.handle, self.n, self._launch = handle, n, driver.launchKernel
+        self.slots = array.array("q", bytes(8 * n))
+        first = self.slots.buffer_info()[0]
+        self.pointers = array.array("Q", [first + 8 * i for i in range(n)])
+        self.pointers_at = self.pointers.buffer_info()[0]
+        self.lock = threading.Lock()
+
+    def launch(self, values, grid, threads, stream_ptr):
+        if len(values) != self.n:
+            raise AssertionError(f"kernel expects {self.n} parameter fields, got {len(values)}")
+        with self.lock:
+            self.slots[:] = array.array("q", values)  # same length: no reallocation, the pointers hold
+            self._launch(self.handle, grid, 1, 1, threads, 1, 1, 0, stream_ptr, self.pointers_at, 0)
 
 
 _CORE_LAUNCH = []

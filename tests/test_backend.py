@@ -59,3 +59,43 @@ def test_fast_launch_matches_dispatcher(monkeypatch):
         np.testing.assert_allclose(big[1000:6000].get(), expect, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(part.get(), expect, rtol=1e-5, atol=1e-5)
     assert np.isnan(big[:1000].get()).all() and np.isnan(big[6000:].get()).all()  # nothing outside
+
+
+@cuda.jit
+def integer_kernel(a2d, b, offset, flip, out):
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        v = a2d[i, 0] * 3 + a2d[i, 1] + b[i] + offset
+        out[i] = -v if flip else v
+
+
+@pytest.mark.skipif(not backend.gpu_present(), reason="the fast launch path runs only on a GPU")
+@pytest.mark.parametrize("raw", [True, False])
+def test_raw_driver_launch_matches_dispatcher(monkeypatch, raw):
+    """Integer-only signatures go straight to cuLaunchKernel from 8-byte slots
+    (``FastLauncher.raw``); ``raw=False`` sends them through ``cuda.core``. Both
+    must pass every field: 2-D and 1-D arrays, int32 and int64 arrays, negative
+    scalars, booleans, pieces, a non-default stream."""
+    fast = backend.FastLauncher()
+    fast.raw = raw
+    monkeypatch.setattr(backend, "_FAST", fast)
+    import cupy
+
+    rng = np.random.default_rng(2)
+    a = cupy.asarray(rng.integers(-50, 50, (3000, 2)).astype(np.int32))
+    b = cupy.asarray(rng.integers(-9, 9, 3000).astype(np.int64))
+    for offset, flip in ((5, False), (-(2 ** 40), True), (-7, False), (0, True)):
+        expect = (a[:, 0].astype(np.int64) * 3 + a[:, 1] + b + offset).get()
+        out = cupy.zeros(3000, np.int64)
+        backend.launch(integer_kernel, 3000, a, b, offset, flip, out, threads=128)
+        np.testing.assert_array_equal(out.get(), -expect if flip else expect)
+    (entry,) = [v for k, v in fast._compiled.items() if k[0] is integer_kernel]
+    assert entry[2] is not None  # integer-only: the driver path is available
+    big = cupy.full(5000, -1, np.int64)
+    with cupy.cuda.Stream(non_blocking=True):
+        for _ in range(2):
+            part = backend.piece(big, 8 * 1000, (3000,), np.int64)
+            backend.launch(integer_kernel, 3000, a, b, -3, False, part, threads=64)
+            expect = (a[:, 0].astype(np.int64) * 3 + a[:, 1] + b - 3).get()
+            np.testing.assert_array_equal(part.get(), expect)
+    assert (big[:1000].get() == -1).all() and (big[4000:].get() == -1).all()
