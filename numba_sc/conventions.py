@@ -93,6 +93,9 @@ def validate_coords(coords, name: str = "coords", check_range: bool = True) -> n
     whose range the pack kernel checks anyway (per-axis min/max reductions on the
     GPU cost milliseconds).
     """
+    if (not check_range and _is_cupy(coords) and coords.dtype == np.int32 and coords.ndim == 2
+            and coords.shape[1] in (3, 4) and coords.shape[0] > 0):
+        return coords  # what every stage hands over on the GPU: nothing to check or convert
     xp = _xp_of(coords)
     if not hasattr(coords, "dtype") or not hasattr(coords, "shape"):
         raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(coords).__name__}")

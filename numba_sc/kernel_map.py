@@ -71,8 +71,8 @@ from functools import lru_cache
 import numpy as np
 
 from . import conventions as cv
-from .backend import (as_array, device_xp, filled, is_cupy, like, piece, resolve_backend, simulating, to_device,
-                      to_host)
+from .backend import (as_array, device_xp, filled, is_cupy, like, piece, piece_template, resolve_backend, simulating,
+                      to_device, to_host)
 from .backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backward_search_cuda, backward_search_reference, check_block_sizes,
                               max_balanced_blocks, num_source_blocks, split_query_blocks_reference)
 from .forward_search import forward_search_cuda, forward_search_reference, mirror_reference
@@ -196,12 +196,30 @@ class KernelMap:
 
 # -------------------------------------------------------------- shared steps
 def _layer(kernel_size, stride, dilation, tensor_stride):
-    ks = cv.as_int_tuple(kernel_size, "kernel_size")
-    st = cv.as_int_tuple(stride, "stride")
-    dil = cv.as_int_tuple(dilation, "dilation")
-    ts = cv.as_int_tuple(tensor_stride, "tensor_stride")
-    offsets, deltas = _sorted_offsets(ks, dil, ts)
-    return ks, st, dil, ts, offsets.copy(), deltas
+    """The layer's arguments as 3-tuples, with its sorted offsets (read-only, shared
+    by every map of the layer) and key deltas.
+
+    Remembered per argument tuple when the arguments are plain ints or tuples of
+    ints (as they are in a network): every call of a layer asks the same, and the
+    four checks cost ~10 us of host time in a Map step of ~0.2 ms.
+    """
+    args = (kernel_size, stride, dilation, tensor_stride)
+    plain = all(type(a) is int or (type(a) is tuple and all(type(v) is int for v in a)) for a in args)
+    hit = _LAYERS.get(args) if plain else None
+    if hit is None:
+        ks = cv.as_int_tuple(kernel_size, "kernel_size")
+        st = cv.as_int_tuple(stride, "stride")
+        dil = cv.as_int_tuple(dilation, "dilation")
+        ts = cv.as_int_tuple(tensor_stride, "tensor_stride")
+        hit = (ks, st, dil, ts, *_sorted_offsets(ks, dil, ts))
+        if plain:
+            if len(_LAYERS) > 256:
+                _LAYERS.clear()
+            _LAYERS[args] = hit
+    return hit
+
+
+_LAYERS = {}  # plain argument tuple -> _layer's answer
 
 
 @lru_cache(maxsize=64)
@@ -270,7 +288,7 @@ def _reaches(offsets, submanifold):
     """(source reach, query reach): queries ``q + delta`` must stay packable, so query
     keys are packed with the kernel's reach; the source only with its own range. For
     a submanifold layer one array is both, so it gets the reach."""
-    reach = (offsets.min(axis=0), offsets.max(axis=0))
+    reach = (tuple(int(v) for v in offsets.min(axis=0)), tuple(int(v) for v in offsets.max(axis=0)))
     return (reach if submanifold else ((0, 0, 0), (0, 0, 0))), reach
 
 
@@ -379,28 +397,18 @@ class _Work:
     """
 
     def __init__(self, K, h, P, Q, B, C, chunk, two_sides, masks):
-        self.K, self.chunk, self.n_chunks = K, chunk, -(-Q // chunk)
-        self.upper = max_balanced_blocks(h, P, Q, B, C)
-        nb = num_source_blocks(P, B)
-        R = REPORT_ROWS + 1 + K
-        W = mask_words(K) if masks else 0
-        words = [R, -(-K * self.n_chunks // 2), P, Q if two_sides else 0, h * (nb + 1), 2 * max(self.upper, 1),
-                 W * Q, W * P]
-        starts = [8 * w for w in accumulate(words, initial=0)]  # byte offsets (Python ints: cheap)
-        self.report = filled(starts[-1] // 8, np.int64, 0)
-        buf = self.report
-        self.report_read = piece(buf, 0, (R,), np.int64)  # what to_host reads: the report alone
-        self.flags_in = piece(buf, 8 * REPORT_IN, (3,), np.int64)
-        self.flags_out = piece(buf, 8 * REPORT_OUT, (3,), np.int64) if two_sides else None
-        self.n_rows = piece(buf, 8 * REPORT_ROWS, (1,), np.int64)
-        self.counts = piece(buf, 8 * (REPORT_ROWS + 1), (K,), np.int64)
-        self.chunk_counts = piece(buf, starts[1], (K, self.n_chunks), np.int32)
-        self.keys_in = piece(buf, starts[2], (P,), np.int64)
-        self.keys_out = piece(buf, starts[3], (Q,), np.int64) if two_sides else self.keys_in
-        self.bounds = piece(buf, starts[4], (h, nb + 1), np.int64)
-        self.rows = piece(buf, starts[5], (max(self.upper, 1), 4), np.int32)
-        self.out_masks = piece(buf, starts[6], (W, Q), np.int64) if masks else None
-        self.in_masks = piece(buf, starts[7], (W, P), np.int64) if masks else None
+        self.K, self.chunk = K, chunk
+        words, self.upper, self.n_chunks, parts = _work_layout(K, h, P, Q, B, C, chunk, two_sides, masks)
+        self.report = buf = filled(words, np.int64, 0)
+        for name, offset, shape, dtype, template in parts:
+            if shape is None:
+                setattr(self, name, None)
+            elif template is not None:  # on a GPU: the layout's pieces, moved into this allocation
+                setattr(self, name, template.rebased(buf))
+            else:  # under the simulator: NumPy views
+                setattr(self, name, piece(buf, offset, shape, dtype))
+        if not two_sides:
+            self.keys_out = self.keys_in  # submanifold: one array is both
 
     def repeats(self, slot):
         """The repeated-rows slot of side ``slot`` (REPORT_IN / REPORT_OUT), which the
@@ -412,9 +420,44 @@ class _Work:
         return self.report[REPORT_ROWS + 1:REPORT_ROWS + 1 + self.K]
 
 
+@lru_cache(maxsize=64)
+def _work_layout(K, h, P, Q, B, C, chunk, two_sides, masks):
+    """Where :class:`_Work`'s pieces lie: ``(int64 words, upper bound of balanced
+    blocks, chunks, ((name, byte offset, shape or None, dtype), ...))``, worked
+    out once per layer and cloud size (a layer in a network sees the same sizes
+    call after call)."""
+    n_chunks = -(-Q // chunk)
+    upper = max_balanced_blocks(h, P, Q, B, C)
+    nb = num_source_blocks(P, B)
+    R = REPORT_ROWS + 1 + K
+    W = mask_words(K) if masks else 0
+    words = [R, -(-K * n_chunks // 2), P, Q if two_sides else 0, h * (nb + 1), 2 * max(upper, 1), W * Q, W * P]
+    starts = [8 * w for w in accumulate(words, initial=0)]  # byte offsets
+    i64, i32 = np.dtype(np.int64), np.dtype(np.int32)
+    parts = (
+        ("report_read", 0, (R,), i64),  # what to_host reads: the report alone
+        ("flags_in", 8 * REPORT_IN, (3,), i64),
+        ("flags_out", 8 * REPORT_OUT, (3,) if two_sides else None, i64),
+        ("n_rows", 8 * REPORT_ROWS, (1,), i64),
+        ("counts", 8 * (REPORT_ROWS + 1), (K,), i64),
+        ("chunk_counts", starts[1], (K, n_chunks), i32),
+        ("keys_in", starts[2], (P,), i64),
+        ("keys_out", starts[3], (Q,) if two_sides else None, i64),
+        ("bounds", starts[4], (h, nb + 1), i64),
+        ("rows", starts[5], (max(upper, 1), 4), i32),
+        ("out_masks", starts[6], (W, Q) if masks else None, i64),
+        ("in_masks", starts[7], (W, P) if masks else None, i64),
+    )
+    on_gpu = not simulating()
+    parts = tuple((name, offset, shape, dtype, piece_template(offset, shape, dtype) if on_gpu and shape else None)
+                  for name, offset, shape, dtype in parts)
+    return starts[-1] // 8, upper, n_chunks, parts
+
+
 def _search_cuda(skeys, qkeys, d_deltas, K, B, C, work):
-    """Stages 5 and 6 on sorted keys: backward search, forward search, then the one
-    read of the report. Returns ``(table, report on the host, grid launched)``."""
+    """Stages 5 and 6 on sorted keys: backward search and forward search, launched
+    and not waited for. Returns ``(table, grid launched)``; the report is read
+    afterwards (``to_host(work.report_read)``)."""
     # On a GPU launch the upper bound of balanced blocks and let surplus blocks
     # exit (no sync, see forward_search.py). Under the simulator the count is a
     # NumPy value, free to read, and every launched block costs a crowd of threads.
@@ -423,7 +466,7 @@ def _search_cuda(skeys, qkeys, d_deltas, K, B, C, work):
     table, _, _ = forward_search_cuda(skeys, qkeys, d_deltas, work.rows, work.n_rows, B, C, grid, work.counts,
                                       n_offsets=K, chunk=work.chunk, chunk_counts=work.chunk_counts,
                                       out_masks=work.out_masks, in_masks=work.in_masks)  # stage 6
-    return table, to_host(work.report_read), grid
+    return table, grid
 
 
 def _check_report(report, sides):
@@ -482,7 +525,11 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     if not submanifold:
         qkeys = work.keys_out
         cv.launch_pack(out_sorted, *query_reach, qkeys, work.flags_out)
-    table, rep, grid = _search_cuda(skeys, qkeys, d_deltas, K, B, C, work)
+    table, grid = _search_cuda(skeys, qkeys, d_deltas, K, B, C, work)
+    # The read below waits for the forward search (~30 us of GPU time on a 94k-voxel
+    # scan): the host makes the map meanwhile, everything that needs no report.
+    m = _finish_cuda(in_sorted, out_sorted, None, offsets, table, work, ks, st, dil, ts, None)
+    rep = to_host(work.report_read)
     _check_report(rep, sides)  # out of range; or unsorted, where the caller vouched for the order
     unsorted_in = bool(rep[REPORT_IN + cv.FLAG_UNSORTED])
     unsorted_out = not submanifold and bool(rep[REPORT_OUT + cv.FLAG_UNSORTED])
@@ -495,11 +542,13 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
             qkeys, out_sorted = skeys, in_sorted
         elif unsorted_out:
             qkeys, out_order, out_sorted = sort_rows_cuda(qkeys, out_sorted, work.repeats(REPORT_OUT))
-        table, rep, grid = _search_cuda(skeys, qkeys, d_deltas, K, B, C, work)
+        table, grid = _search_cuda(skeys, qkeys, d_deltas, K, B, C, work)
+        m = _finish_cuda(in_sorted, out_sorted, in_order, offsets, table, work, ks, st, dil, ts, out_order)
+        rep = to_host(work.report_read)
         _check_report(rep, [(slot, c, r, n, False) for slot, c, r, n, _ in sides])  # repeated rows
-    counts_host = rep[REPORT_ROWS + 1:].copy()
+    m.counts_host = counts_host = rep[REPORT_ROWS + 1:].copy()
     pairs = int(counts_host.sum())
-    stats = {
+    m.stats = {
         "backend": "cuda", "source_block": B, "query_block": C,
         "n_in": P, "n_out": Q, "n_offsets": K, "queries": K * Q,
         "segments_searched": h, "queries_searched": h * Q,
@@ -510,17 +559,22 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
         "forward_grid_upper_bound": work.upper, "forward_grid_launched": grid,
         "sorted_on_device": unsorted_in or unsorted_out,
     }
-    m = _finish(in_sorted, out_sorted, in_order, offsets, table, work.counts_array(), stats,
-                ks, st, dil, ts, out_order)
-    m.counts_host = counts_host
-    m.chunk_counts, m.chunk = work.chunk_counts, work.chunk
-    m.out_masks, m.in_masks = work.out_masks, work.in_masks
     return m
 
 
 def _finish(in_sorted, out_sorted, in_order, offsets, table, counts, stats, ks, st, dil, ts, out_order):
     return KernelMap(in_sorted, out_sorted, in_order, offsets, table, counts, stats, ks, st, dil, ts,
                      tuple(a * b for a, b in zip(ts, st)), out_order)
+
+
+def _finish_cuda(in_sorted, out_sorted, in_order, offsets, table, work, ks, st, dil, ts, out_order):
+    """The kernel path's map, with the device arrays of ``work`` it hands on (stats
+    and host counts come after the report is read)."""
+    m = _finish(in_sorted, out_sorted, in_order, offsets, table, work.counts_array(), {}, ks, st, dil, ts, out_order)
+    m.chunk_counts, m.chunk = work.chunk_counts, work.chunk
+    m.out_masks, m.in_masks = work.out_masks, work.in_masks
+    return m
+
 
 
 # ----------------------------------------------------------------------- API

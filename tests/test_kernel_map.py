@@ -422,6 +422,14 @@ def test_other_bad_inputs():
         ns.build_kernel_map(c[:2], out_coords=np.zeros((1, 4), np.int32), backend="reference")
     with pytest.raises(ValueError, match="kernel_size"):
         ns.build_kernel_map(c[:2], kernel_size=0, backend="reference")
+    # The layer's arguments are remembered per call signature (kernel_map._layer):
+    # a bad one is refused every time, and equal layers spelled differently agree.
+    with pytest.raises(ValueError, match="kernel_size"):
+        ns.build_kernel_map(c[:2], kernel_size=0, backend="cuda")
+    a = ns.build_kernel_map(c[:2], kernel_size=3, backend="reference")
+    b = ns.build_kernel_map(c[:2], kernel_size=(3, 3, 3), dilation=np.array([1, 1, 1]), backend="reference")
+    np.testing.assert_array_equal(a.offsets, b.offsets)
+    assert not a.offsets.flags.writeable  # shared by every map of the layer
     with pytest.raises(TypeError, match="integer"):
         ns.build_kernel_map(c[:2].astype(np.float32), backend="reference")
 
