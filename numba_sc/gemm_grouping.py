@@ -76,14 +76,11 @@ def offset_order(counts, sort=True, skip=None) -> np.ndarray:
     """The order offsets are laid out in: by non-decreasing pair count (stable, so
     ties keep the map's order) when ``sort``, else the map's own order. Offsets
     with no pair, and ``skip`` (the submanifold centre), are left out."""
-    counts = np.asarray(counts, dtype=np.int64)
-    ks = np.arange(len(counts))
+    c = np.asarray(counts, dtype=np.int64).tolist()  # K Python ints: a list beats NumPy calls here
+    ks = [k for k in range(len(c)) if c[k] > 0 and k != skip]
     if sort:
-        ks = np.argsort(counts, kind="stable")
-    keep = counts[ks] > 0
-    if skip is not None and skip >= 0:
-        keep &= ks != skip
-    return ks[keep]
+        ks.sort(key=c.__getitem__)  # Python's sort is stable: ties keep the map's order
+    return np.array(ks, dtype=np.int64)
 
 
 def make_groups(counts, order, max_padding=DEFAULT_MAX_PADDING,

@@ -300,14 +300,29 @@ def submanifold_centre(kernel_map, counts=None) -> int:
 
     ``counts``: the map's pair counts already on the host (saves a device read).
     """
-    offsets = to_host(kernel_map.offsets)
-    hits = np.flatnonzero((offsets == 0).all(axis=1))
-    if len(hits) == 0:
+    c = _zero_offset(np.asarray(to_host(kernel_map.offsets)))
+    if c < 0:
         return -1
-    c = int(hits[0])
     n_in, n_out = len(kernel_map.in_coords), len(kernel_map.out_coords)
     counts = _host_counts(kernel_map) if counts is None else counts
     return c if (n_in == n_out == int(counts[c])) else -1
+
+
+def _zero_offset(offsets) -> int:
+    """Index of the row (0, 0, 0) of ``offsets``, or -1; remembered per offsets array
+    content (a layer asks the same every call; the NumPy test costs ~4 us)."""
+    key = offsets.tobytes() + bytes(str(offsets.shape), "ascii")
+    hit = _ZERO_OFFSET.get(key)
+    if hit is None:
+        rows = np.flatnonzero((offsets == 0).all(axis=1))
+        hit = int(rows[0]) if len(rows) else -1
+        if len(_ZERO_OFFSET) > 256:
+            _ZERO_OFFSET.clear()
+        _ZERO_OFFSET[key] = hit
+    return hit
+
+
+_ZERO_OFFSET = {}
 
 
 def grouping_report(kernel_map, max_padding=gg.DEFAULT_MAX_PADDING,
@@ -327,21 +342,39 @@ def _layout(kernel_map, sort, max_padding, solo_rows, direct_centre):
     centre = submanifold_centre(kernel_map, counts) if direct_centre else -1
     order = gg.offset_order(counts, sort, centre)
     groups = gg.make_groups(counts, order, max_padding, solo_rows)
-    base = np.full(len(counts), -1, dtype=np.int64)
+    base = [-1] * len(counts)  # a Python list while it is filled (NumPy item writes cost more)
     for g in groups:
         for m, k in enumerate(g.members):
             base[k] = g.start + m * g.rows
+    base = np.array(base, dtype=np.int64)
     rows = sum(g.padded_rows for g in groups)
     return counts, order, groups, base, rows, centre, (max_padding, solo_rows)
 
 
 def _device_layout(base):
     """``base`` and :func:`buffered_bits` in one int64 array, copied to the device
-    at once (one pinned copy), handed out as two pieces."""
+    at once (one pinned copy), handed out as two pieces.
+
+    On a GPU the pair is kept per distinct ``base`` (K numbers; kernels only read
+    it): the layers of a network that share a kernel map share it too, and a
+    pinned copy costs ~15-20 us of host time where a dictionary look-up costs 1.
+    """
     K = len(base)
-    bits = buffered_bits(base)
-    layout = to_device_async(np.array(base.tolist() + bits, dtype=np.int64))
-    return piece(layout, 0, (K,), np.int64), piece(layout, 8 * K, (len(bits),), np.int64)
+    values = base.tolist()
+    key = None if simulating() else (tuple(values), device_xp().cuda.runtime.getDevice())
+    hit = _LAYOUTS.get(key)
+    if hit is None:
+        bits = buffered_bits(base)
+        layout = to_device_async(np.array(values + bits, dtype=np.int64))
+        hit = piece(layout, 0, (K,), np.int64), piece(layout, 8 * K, (len(bits),), np.int64)
+        if key is not None:
+            if len(_LAYOUTS) > 256:
+                _LAYOUTS.clear()
+            _LAYOUTS[key] = hit
+    return hit
+
+
+_LAYOUTS = {}  # (base values, device) -> (base, buffered bits) on that device
 
 
 # ------------------------------------------------------------------ reference

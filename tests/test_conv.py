@@ -326,6 +326,20 @@ def test_grouping_padding_by_hand():
     assert len(solo) == 3
 
 
+def test_offset_order_is_a_stable_sort_without_empties(rng):
+    """offset_order sorts K Python ints by hand: it must equal NumPy's stable argsort
+    with the empty offsets and the skipped one left out (ties in map order)."""
+    for _ in range(50):
+        counts = rng.integers(0, 4, 27)  # few values: many ties
+        skip = int(rng.integers(-1, 27))
+        ks = np.argsort(counts, kind="stable")
+        expect = ks[(counts[ks] > 0) & (ks != skip)]
+        np.testing.assert_array_equal(offset_order(counts, True, skip), expect)
+        np.testing.assert_array_equal(offset_order(counts, False, skip),
+                                      [k for k in range(27) if counts[k] > 0 and k != skip])
+        assert offset_order(counts).dtype == np.int64
+
+
 def test_metadata_kernel_matches_reference(rng):
     x = tensor(rng, 200, 1)
     for ks, stride in [(3, 1), (2, 2), (5, 1)]:  # 5: K = 125, four words of offset bits
