@@ -134,11 +134,15 @@ def main():
         sync()
         samples = {key: {"host": [], "gpu": []} for key in contenders}
         keys = list(contenders)
+        rng = np.random.default_rng(0)
         for r in range(args.rounds):
             # A contender's first call after another one's runs on cold host caches
             # (measured: up to 50 % slower), so each gets a short block of calls, the
-            # first not kept, and the order rotates from round to round.
-            for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            # first not kept. What ran just before still matters (a Map step after a
+            # spconv layer was ~15 % slower than after another Map step, 2026-11-23),
+            # so the order is shuffled afresh every round: every contender follows
+            # every other about equally often.
+            for key in [keys[i] for i in rng.permutation(len(keys))]:
                 fn = contenders[key]
                 fn()
                 sync()
