@@ -129,14 +129,14 @@ def random_coords(n=1_000_000, box=400, seed=0):
     return np.stack([ids // (box * box), (ids // box) % box, ids % box], 1).astype(np.int32)
 
 
-def ncu_pass(ns, clouds, channels):
+def ncu_pass(ns, clouds, channels, dtype=np.float32):
     import cupy
 
     rng = np.random.default_rng(0)
     for cname, coords in clouds.items():
         for ch in channels:
-            x = ns.SparseTensor(cupy.asarray(coords), cupy.asarray(rng.normal(size=(len(coords), ch)).astype(np.float32)))
-            w = cupy.asarray(rng.normal(size=(27, ch, ch)).astype(np.float32))
+            x = ns.SparseTensor(cupy.asarray(coords), cupy.asarray(rng.normal(size=(len(coords), ch)).astype(dtype)))
+            w = cupy.asarray((rng.normal(size=(27, ch, ch)) / np.sqrt(ch)).astype(dtype))
             for _ in range(2):
                 ns.sparse_conv3d(x, w, 3, tile_size=(8, 8))
             cupy.cuda.Device().synchronize()
@@ -254,6 +254,7 @@ def main():
     ap.add_argument("--variants", action="store_true", help="time forward-kernel register variants")
     ap.add_argument("--micro", action="store_true", help="launch paths; GEMM stream pool 1 vs 4")
     ap.add_argument("--clouds", default="kitti,random1M", help="which of kitti, random1M")
+    ap.add_argument("--dtype", default="float32", help="features for --ncu: float32 or float16")
     args = ap.parse_args()
     import cupy
 
@@ -264,7 +265,7 @@ def main():
               "random1M": random_coords}
     clouds = {name: makers[name]() for name in args.clouds.split(",")}
     if args.ncu:
-        return ncu_pass(ns, clouds, [int(c) for c in args.channels.split(",")])
+        return ncu_pass(ns, clouds, [int(c) for c in args.channels.split(",")], np.dtype(args.dtype))
     if args.variants:
         return forward_variants(ns, clouds)
     if args.micro:
