@@ -109,6 +109,7 @@ def main():
     ap.add_argument("--clouds", default="kitti,random1M")
     ap.add_argument("--out", default="ab.json")
     ap.add_argument("--note", default="")
+    ap.add_argument("--only", default="", help="keep the workloads whose name starts with this (e.g. map)")
     args = ap.parse_args()
 
     import numba_sc as new
@@ -128,6 +129,7 @@ def main():
             contenders.update(spconv_calls(coords, args.channels))
         except Exception as e:  # noqa: BLE001 - a missing peer: compare the two versions only
             print(f"spconv not run: {type(e).__name__}: {e}")
+        contenders = {key: fn for key, fn in contenders.items() if key[0].startswith(args.only)}
         for fn in contenders.values():
             for _ in range(args.warmup):
                 fn()
