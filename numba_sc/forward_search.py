@@ -164,11 +164,13 @@ def forward_search_kernel(B: int, with_masks: bool = False):
     pad = np.int64(np.iinfo(np.int64).max)  # fills a short last block: larger than any query
 
     @cuda.jit
-    def forward_search(skeys, qkeys, deltas, rows, n_rows, table, counts, chunk, chunk_counts, out_masks,
+    def forward_search(skeys, qkeys, deltas, rows, n_rows, table, counts, chunk_shift, chunk_counts, out_masks,
                        in_masks):
         """One thread block per balanced query block ``rows[blockIdx]``; also counts
-        the pairs per offset, and per offset and chunk of ``chunk`` outputs for the
-        metadata stage (``chunk_counts[k, i // chunk]``), and for each pair (k, i, j)
+        the pairs per offset, and per offset and chunk of ``2**chunk_shift`` outputs
+        for the metadata stage (``chunk_counts[k, i >> chunk_shift]``: a shift, where a
+        64-bit division by a run-time chunk is a software routine of dozens of
+        instructions, run for every pair), and for each pair (k, i, j)
         sets bit k of output i's mask and of input j's (``out_masks``, ``in_masks``,
         see :mod:`numba_sc.metadata`)."""
         r = cuda.blockIdx.x
@@ -187,8 +189,8 @@ def forward_search_kernel(B: int, with_masks: bool = False):
         source = cuda.shared.array(B, int64)  # B is a compile-time constant here
         hits = cuda.shared.array(1, int32)
         tally = cuda.shared.array(TALLY_SLOTS, int32)  # per chunk: row k's, then the mirror's
-        c_main = q0 // chunk  # the first chunk of this block's outputs in row k
-        c_mirror = first // chunk  # ... and of its mirrored pairs' outputs in row `mirror`
+        c_main = q0 >> chunk_shift  # the first chunk of this block's outputs in row k
+        c_mirror = first >> chunk_shift  # ... and of its mirrored pairs' outputs in row `mirror`
         if cuda.threadIdx.x == 0:
             hits[0] = 0
         for u in range(cuda.threadIdx.x, TALLY_SLOTS, cuda.blockDim.x):
@@ -219,13 +221,13 @@ def forward_search_kernel(B: int, with_masks: bool = False):
             # the test only guards against a corrupted rows array
             if lo < n and source[lo] == q:
                 table[k, i] = first + lo
-                count_pair(tally, 0, chunk_counts, k, i // chunk, c_main)
+                count_pair(tally, 0, chunk_counts, k, i >> chunk_shift, c_main)
                 if with_masks:
                     set_bit(out_masks, k, i)
                     set_bit(in_masks, k, first + lo)
                 if mirror >= deltas.shape[0]:  # row `mirror` is not searched: write its pair
                     table[mirror, first + lo] = i
-                    count_pair(tally, TALLY, chunk_counts, mirror, (first + lo) // chunk, c_mirror)
+                    count_pair(tally, TALLY, chunk_counts, mirror, (first + lo) >> chunk_shift, c_mirror)
                     if with_masks:
                         set_bit(out_masks, mirror, first + lo)
                         set_bit(in_masks, mirror, i)
@@ -289,6 +291,9 @@ def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=N
         from .metadata import chunk_size
 
         chunk = chunk_size()
+    shift = int(chunk).bit_length() - 1
+    if chunk != 1 << shift:
+        raise ValueError(f"chunk must be a power of two (threads x items per thread), got {chunk}")
     if chunk_counts is None:
         chunk_counts = filled((K, -(-int(qkeys.shape[0]) // chunk)), np.int32, 0)
     with_masks = out_masks is not None
@@ -299,5 +304,5 @@ def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=N
         out_masks = in_masks = _NO_MASKS[xp]
     if grid > 0:
         launch(forward_search_kernel(int(B), with_masks), int(grid), skeys, qkeys, deltas, rows, n_rows, table,
-               counts, int(chunk), chunk_counts, out_masks, in_masks, threads=forward_threads(C), blocks=int(grid))
+               counts, shift, chunk_counts, out_masks, in_masks, threads=forward_threads(C), blocks=int(grid))
     return table, counts, chunk_counts

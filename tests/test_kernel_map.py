@@ -241,8 +241,10 @@ def test_stages_kernel_equals_reference(rng):
     assert np.array_equal(to_host(table_k), table_r)
     assert np.array_equal(to_host(counts), (table_r >= 0).sum(axis=1))  # counted in the kernel
     # and per chunk of outputs, for the metadata stage; a small chunk puts many borders inside
-    _, _, small = forward_search_cuda(dkeys, dkeys, ddeltas, rows_k, n_rows, B, C, grid=upper, chunk=7)
-    np.testing.assert_array_equal(to_host(small), chunk_counts_reference(table_r, 7))
+    _, _, small = forward_search_cuda(dkeys, dkeys, ddeltas, rows_k, n_rows, B, C, grid=upper, chunk=8)
+    np.testing.assert_array_equal(to_host(small), chunk_counts_reference(table_r, 8))
+    with pytest.raises(ValueError, match="power of two"):  # the kernel finds a chunk with a shift
+        forward_search_cuda(dkeys, dkeys, ddeltas, rows_k, n_rows, B, C, grid=upper, chunk=7)
     np.testing.assert_array_equal(to_host(chunk_counts), chunk_counts_reference(table_r, chunk_size()))
     # Blocks past the device count must leave, even where the rows hold real work:
     # claim only half the rows and those queries must stay unanswered.
