@@ -107,20 +107,27 @@ def word_view(itemsize: int, tile: int):
 
 
 @lru_cache(maxsize=None)
-def gather_kernel(tile: int, word=None):
+def gather_kernel(tile: int, word=None, tiles=None):
     """The gather kernel compiled for one tile size (a compile-time constant, so the
     tile lives in registers: ``cuda.local.array`` needs a constant length) and one
     kind of element: ``word=None`` for float features (held as fp32, which holds
     fp16 exactly), or an unsigned NumPy type when the arrays are word views
-    (:func:`word_view`) and ``tile`` counts words."""
+    (:func:`word_view`) and ``tile`` counts words.
+
+    ``tiles``, the tiles per row (channels / tile), is compiled in too when given
+    (what :func:`gather_cuda` does): every thread divides its index by it, and a
+    64-bit division by a run-time value is a software routine of dozens of
+    instructions, by a constant a multiply and a shift. ``None`` reads it from the
+    array (one kernel for every channel count)."""
     held = float32 if word is None else from_dtype(np.dtype(word))
+    fixed = -1 if tiles is None else int(tiles)
 
     @cuda.jit
     def gather(features, in_masks, buffered, in_slots, buf):
         """Input p's rows are ``in_slots[:, p]``, one per set bit of ``in_masks[:, p] &
         buffered``, in offset order (:class:`numba_sc.metadata.PointLists`)."""
         t = cuda.grid(1)
-        tiles = features.shape[1] // tile
+        tiles = fixed if fixed > 0 else features.shape[1] // tile
         if t < features.shape[0] * tiles:
             p = t // tiles  # neighbouring threads take neighbouring tiles of one point:
             c0 = (t - p * tiles) * tile  # their loads and stores are contiguous
@@ -166,7 +173,7 @@ def gather_cuda(features, in_lists, rows, tile):
             per_row = f.shape[1] * f.itemsize // np.dtype(word).itemsize
             src = piece(f, 0, (f.shape[0], per_row), word)
             dst = piece(buf, 0, (rows, per_row), word)
-        launch(gather_kernel(tile_words, word), f.shape[0] * (f.shape[1] // tile), src,
+        launch(gather_kernel(tile_words, word, f.shape[1] // tile), f.shape[0] * (f.shape[1] // tile), src,
                to_device(in_lists.masks), to_device(in_lists.buffered), to_device(in_lists.slots), dst)
     return buf
 

@@ -59,15 +59,19 @@ def scatter_reference(obuf, out_table, init=None, n_out=None, channels=None, dty
 
 # -------------------------------------------------------------------- kernels
 @lru_cache(maxsize=None)
-def scatter_kernel(tile: int):
-    """The scatter kernel compiled for one tile size (constant: the tile is in registers)."""
+def scatter_kernel(tile: int, tiles=None):
+    """The scatter kernel compiled for one tile size (constant: the tile is in registers)
+    and, when given, one number of tiles per row (constant: the division of every
+    thread's index by it is a multiply and a shift, see
+    :func:`numba_sc.gather.gather_kernel`)."""
+    fixed = -1 if tiles is None else int(tiles)
 
     @cuda.jit
     def scatter(obuf, out_masks, buffered, out_slots, has_init, out):
         """Output q's rows are ``out_slots[:, q]``, one per set bit of ``out_masks[:, q] &
         buffered``, in offset order (:class:`numba_sc.metadata.PointLists`)."""
         t = cuda.grid(1)
-        tiles = out.shape[1] // tile
+        tiles = fixed if fixed > 0 else out.shape[1] // tile
         if t < out.shape[0] * tiles:
             q = t // tiles  # as in the gather: neighbouring threads, neighbouring tiles
             c0 = (t - q * tiles) * tile
@@ -109,7 +113,8 @@ def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=No
         out = to_device(init)
     else:
         out = xp.empty((n_out, channels), dtype=dtype or obuf.dtype)
-    launch(scatter_kernel(tile), n_out * (channels // tile), to_device(obuf), to_device(out_lists.masks),
+    tiles = channels // tile
+    launch(scatter_kernel(tile, tiles), n_out * tiles, to_device(obuf), to_device(out_lists.masks),
            to_device(out_lists.buffered), to_device(out_lists.slots), init is not None, out)
     return out
 
