@@ -158,10 +158,12 @@ def forward_variants(ns, clouds):
     from numba_sc.kernel_map import _device_deltas
 
     B, C = 512, 1024
-    base = forward_search_kernel(B)
-    variants = {"default": base}
-    for regs in (32, 48, 64):
-        variants[f"max_registers={regs}"] = cuda.jit(max_registers=regs)(base.py_func)
+    variants = {}  # (name, threads per block) -> kernel compiled for that block size
+    for threads in (128, 256):
+        base = forward_search_kernel(B, False, threads)
+        variants[("default", threads)] = base
+        for regs in (32, 48, 64):
+            variants[(f"max_registers={regs}", threads)] = cuda.jit(max_registers=regs)(base.py_func)
     for cname, coords in clouds.items():
         keys = cupy.asarray(ns.conventions.pack_keys(coords[np.lexsort(coords.T[::-1])], (-1, -1, -1), (1, 1, 1)))
         d = _device_deltas((3, 3, 3), (1, 1, 1), (1, 1, 1))
@@ -169,26 +171,25 @@ def forward_variants(ns, clouds):
         upper = max_balanced_blocks(27, P, P, B, C)
         n_rows = cupy.zeros(1, cupy.int64)
         bounds, rows, n_rows = backward_search_cuda(keys, keys, d, B, C, upper, n_rows)
-        for vname, kern in variants.items():
-            for threads in (128, 256):
-                table = cupy.full((27, P), -1, cupy.int32)
-                counts = cupy.zeros(27, cupy.int64)
-                times = []
-                for rep in range(25):
-                    table.fill(-1)
-                    counts.fill(0)
-                    a, b = cupy.cuda.Event(), cupy.cuda.Event()
-                    a.record()
-                    cc = cupy.zeros((27, -(-P // 1024)), cupy.int32)
-                    no_masks = cupy.zeros((1, 1), cupy.int64)  # the kernel without masks never reads them
-                    be.launch(kern, upper, keys, keys, d, rows, n_rows, table, counts, 10, cc,  # chunk 2**10
-                              no_masks, no_masks, threads=threads, blocks=upper)
-                    b.record()
-                    b.synchronize()
-                    if rep >= 5:
-                        times.append(cupy.cuda.get_elapsed_time(a, b) * 1e3)
-                ok = int(counts.sum())
-                print(f"{cname:9s} forward {vname:18s} threads {threads}: {statistics.median(times):7.1f} us  pairs {ok}")
+        for (vname, threads), kern in variants.items():
+            table = cupy.full((27, P), -1, cupy.int32)
+            counts = cupy.zeros(27, cupy.int64)
+            times = []
+            for rep in range(25):
+                table.fill(-1)
+                counts.fill(0)
+                a, b = cupy.cuda.Event(), cupy.cuda.Event()
+                a.record()
+                cc = cupy.zeros((27, -(-P // 1024)), cupy.int32)
+                no_masks = cupy.zeros((1, 1), cupy.int64)  # the kernel without masks never reads them
+                be.launch(kern, upper, keys, keys, d, rows, n_rows, table, counts, 10, cc,  # chunk 2**10
+                          no_masks, no_masks, threads=threads, blocks=upper)
+                b.record()
+                b.synchronize()
+                if rep >= 5:
+                    times.append(cupy.cuda.get_elapsed_time(a, b) * 1e3)
+            ok = int(counts.sum())
+            print(f"{cname:9s} forward {vname:18s} threads {threads}: {statistics.median(times):7.1f} us  pairs {ok}")
 
 
 def micro(ns, clouds):

@@ -156,10 +156,14 @@ def set_bit(masks, k, i):
 
 
 @lru_cache(maxsize=None)
-def forward_search_kernel(B: int, with_masks: bool = False):
+def forward_search_kernel(B: int, with_masks: bool = False, threads: int = FORWARD_THREADS):
     """The forward-search kernel for source blocks of ``B`` keys (compiled once per B),
     setting the mask bits of every pair it finds when ``with_masks`` (a constant of
-    the compiled code: without masks the lines that set them are not compiled in)."""
+    the compiled code: without masks the lines that set them are not compiled in),
+    for thread blocks of ``threads`` threads: the strided loops below step by that
+    constant, so their trip counts cost a multiply and a shift instead of a
+    division by ``blockDim.x`` (tens of instructions per loop and thread). Launch
+    it with exactly ``threads`` threads per block."""
     steps = B.bit_length() - 1  # log2(B): the search below takes exactly this many steps
     pad = np.int64(np.iinfo(np.int64).max)  # fills a short last block: larger than any query
 
@@ -193,15 +197,15 @@ def forward_search_kernel(B: int, with_masks: bool = False):
         c_mirror = first >> chunk_shift  # ... and of its mirrored pairs' outputs in row `mirror`
         if cuda.threadIdx.x == 0:
             hits[0] = 0
-        for u in range(cuda.threadIdx.x, TALLY_SLOTS, cuda.blockDim.x):
+        for u in range(cuda.threadIdx.x, TALLY_SLOTS, threads):
             tally[u] = 0
-        for t in range(cuda.threadIdx.x, B, cuda.blockDim.x):
+        for t in range(cuda.threadIdx.x, B, threads):
             # neighbouring threads, neighbouring keys: coalesced; a short last block is
             # padded so that every search below can run over exactly B keys
             source[t] = skeys[first + t] if t < n else pad
         cuda.syncthreads()  # the whole block must be loaded before anyone searches
         mine = 0
-        for i in range(q0 + cuda.threadIdx.x, q1, cuda.blockDim.x):
+        for i in range(q0 + cuda.threadIdx.x, q1, threads):
             q = query_key(qkeys, deltas, k, i)
             # Lower bound (first key >= q) in shared memory, written without a data-
             # dependent loop: B is a power of two, so log2(B) halvings always suffice,
@@ -242,7 +246,7 @@ def forward_search_kernel(B: int, with_masks: bool = False):
             cuda.atomic.add(counts, k, hits[0])
             if mirror >= deltas.shape[0]:
                 cuda.atomic.add(counts, mirror, hits[0])
-        for u in range(cuda.threadIdx.x, TALLY_SLOTS, cuda.blockDim.x):  # the tallies, once a block
+        for u in range(cuda.threadIdx.x, TALLY_SLOTS, threads):  # the tallies, once a block
             if tally[u] > 0:
                 if u < TALLY:
                     cuda.atomic.add(chunk_counts, (k, c_main + u), tally[u])
@@ -303,6 +307,7 @@ def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=N
             _NO_MASKS[xp] = xp.zeros((1, 1), np.int64)
         out_masks = in_masks = _NO_MASKS[xp]
     if grid > 0:
-        launch(forward_search_kernel(int(B), with_masks), int(grid), skeys, qkeys, deltas, rows, n_rows, table,
-               counts, shift, chunk_counts, out_masks, in_masks, threads=forward_threads(C), blocks=int(grid))
+        threads = forward_threads(C)
+        launch(forward_search_kernel(int(B), with_masks, threads), int(grid), skeys, qkeys, deltas, rows, n_rows,
+               table, counts, shift, chunk_counts, out_masks, in_masks, threads=threads, blocks=int(grid))
     return table, counts, chunk_counts
