@@ -201,25 +201,24 @@ def _layer(kernel_size, stride, dilation, tensor_stride):
 
     Remembered per argument tuple when the arguments are plain ints or tuples of
     ints (as they are in a network): every call of a layer asks the same, and the
-    four checks cost ~10 us of host time in a Map step of ~0.2 ms.
+    four checks cost ~10 us of host time in a Map step of ~0.2 ms. Anything else
+    (NumPy numbers, arrays, bools, floats) is checked afresh every call.
     """
     args = (kernel_size, stride, dilation, tensor_stride)
-    plain = all(type(a) is int or (type(a) is tuple and all(type(v) is int for v in a)) for a in args)
-    hit = _LAYERS.get(args) if plain else None
-    if hit is None:
-        ks = cv.as_int_tuple(kernel_size, "kernel_size")
-        st = cv.as_int_tuple(stride, "stride")
-        dil = cv.as_int_tuple(dilation, "dilation")
-        ts = cv.as_int_tuple(tensor_stride, "tensor_stride")
-        hit = (ks, st, dil, ts, *_sorted_offsets(ks, dil, ts))
-        if plain:
-            if len(_LAYERS) > 256:
-                _LAYERS.clear()
-            _LAYERS[args] = hit
-    return hit
+    if all(type(a) is int or (type(a) is tuple and all(type(v) is int for v in a)) for a in args):
+        return _plain_layer(*args)
+    return _parse_layer(*args)
 
 
-_LAYERS = {}  # plain argument tuple -> _layer's answer
+def _parse_layer(kernel_size, stride, dilation, tensor_stride):
+    ks = cv.as_int_tuple(kernel_size, "kernel_size")
+    st = cv.as_int_tuple(stride, "stride")
+    dil = cv.as_int_tuple(dilation, "dilation")
+    ts = cv.as_int_tuple(tensor_stride, "tensor_stride")
+    return (ks, st, dil, ts, *_sorted_offsets(ks, dil, ts))
+
+
+_plain_layer = lru_cache(maxsize=256)(_parse_layer)  # (a bad argument raises, and nothing is cached)
 
 
 @lru_cache(maxsize=64)
@@ -434,23 +433,26 @@ def _work_layout(K, h, P, Q, B, C, chunk, two_sides, masks):
     words = [R, -(-K * n_chunks // 2), P, Q if two_sides else 0, h * (nb + 1), 2 * max(upper, 1), W * Q, W * P]
     starts = [8 * w for w in accumulate(words, initial=0)]  # byte offsets
     i64, i32 = np.dtype(np.int64), np.dtype(np.int32)
-    parts = (
-        ("report_read", 0, (R,), i64),  # what to_host reads: the report alone
-        ("flags_in", 8 * REPORT_IN, (3,), i64),
-        ("flags_out", 8 * REPORT_OUT, (3,) if two_sides else None, i64),
-        ("n_rows", 8 * REPORT_ROWS, (1,), i64),
-        ("counts", 8 * (REPORT_ROWS + 1), (K,), i64),
-        ("chunk_counts", starts[1], (K, n_chunks), i32),
-        ("keys_in", starts[2], (P,), i64),
-        ("keys_out", starts[3], (Q,) if two_sides else None, i64),
-        ("bounds", starts[4], (h, nb + 1), i64),
-        ("rows", starts[5], (max(upper, 1), 4), i32),
-        ("out_masks", starts[6], (W, Q) if masks else None, i64),
-        ("in_masks", starts[7], (W, P) if masks else None, i64),
-    )
     on_gpu = not simulating()
-    parts = tuple((name, offset, shape, dtype, piece_template(offset, shape, dtype) if on_gpu and shape else None)
-                  for name, offset, shape, dtype in parts)
+
+    def part(name, offset, shape, dtype):
+        # On a GPU, also the piece itself at no allocation yet: _Work moves it into its own.
+        return name, offset, shape, dtype, (piece_template(offset, shape, dtype) if on_gpu and shape else None)
+
+    parts = (
+        part("report_read", 0, (R,), i64),  # what to_host reads: the report alone
+        part("flags_in", 8 * REPORT_IN, (3,), i64),
+        part("flags_out", 8 * REPORT_OUT, (3,) if two_sides else None, i64),
+        part("n_rows", 8 * REPORT_ROWS, (1,), i64),
+        part("counts", 8 * (REPORT_ROWS + 1), (K,), i64),
+        part("chunk_counts", starts[1], (K, n_chunks), i32),
+        part("keys_in", starts[2], (P,), i64),
+        part("keys_out", starts[3], (Q,) if two_sides else None, i64),
+        part("bounds", starts[4], (h, nb + 1), i64),
+        part("rows", starts[5], (max(upper, 1), 4), i32),
+        part("out_masks", starts[6], (W, Q) if masks else None, i64),
+        part("in_masks", starts[7], (W, P) if masks else None, i64),
+    )
     return starts[-1] // 8, upper, n_chunks, parts
 
 
@@ -574,7 +576,6 @@ def _finish_cuda(in_sorted, out_sorted, in_order, offsets, table, work, ks, st, 
     m.chunk_counts, m.chunk = work.chunk_counts, work.chunk
     m.out_masks, m.in_masks = work.out_masks, work.in_masks
     return m
-
 
 
 # ----------------------------------------------------------------------- API

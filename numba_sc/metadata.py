@@ -112,6 +112,7 @@ through pinned memory, without a sync.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 from numba import cuda, int32
@@ -300,7 +301,8 @@ def submanifold_centre(kernel_map, counts=None) -> int:
 
     ``counts``: the map's pair counts already on the host (saves a device read).
     """
-    c = _zero_offset(np.asarray(to_host(kernel_map.offsets)))
+    offsets = np.asarray(to_host(kernel_map.offsets))
+    c = _zero_offset(offsets.shape, offsets.dtype.str, offsets.tobytes())
     if c < 0:
         return -1
     n_in, n_out = len(kernel_map.in_coords), len(kernel_map.out_coords)
@@ -308,21 +310,13 @@ def submanifold_centre(kernel_map, counts=None) -> int:
     return c if (n_in == n_out == int(counts[c])) else -1
 
 
-def _zero_offset(offsets) -> int:
-    """Index of the row (0, 0, 0) of ``offsets``, or -1; remembered per offsets array
-    content (a layer asks the same every call; the NumPy test costs ~4 us)."""
-    key = offsets.tobytes() + bytes(str(offsets.shape), "ascii")
-    hit = _ZERO_OFFSET.get(key)
-    if hit is None:
-        rows = np.flatnonzero((offsets == 0).all(axis=1))
-        hit = int(rows[0]) if len(rows) else -1
-        if len(_ZERO_OFFSET) > 256:
-            _ZERO_OFFSET.clear()
-        _ZERO_OFFSET[key] = hit
-    return hit
-
-
-_ZERO_OFFSET = {}
+@lru_cache(maxsize=256)
+def _zero_offset(shape, dtype: str, raw: bytes) -> int:
+    """Index of the row (0, 0, 0) of the offsets of ``shape`` and ``dtype`` whose bytes
+    are ``raw``, or -1; remembered per content (a layer asks the same every call,
+    and the NumPy test costs ~4 us)."""
+    rows = np.flatnonzero((np.frombuffer(raw, dtype=dtype).reshape(shape) == 0).all(axis=1))
+    return int(rows[0]) if len(rows) else -1
 
 
 def grouping_report(kernel_map, max_padding=gg.DEFAULT_MAX_PADDING,
@@ -558,6 +552,8 @@ MASK_BITS = 32  # offsets per word of an output's mask
 def mask_words(K: int) -> int:
     """Words of a point's mask for K offsets: ceil(K / MASK_BITS)."""
     return -(-K // MASK_BITS)
+
+
 AHEAD = 8  # table entries a thread reads before testing the first of them
 
 
