@@ -213,12 +213,15 @@ def micro(ns, clouds):
         return (t1 - t0) / n * 1e6
 
     f = cupy.ones((1000, 8), cupy.float32)
-    tab = cupy.full((27, 1000), -1, cupy.int32)
+    masks = cupy.zeros((1, 1000), cupy.int64)  # no pairs: every thread leaves after its mask
+    bits = cupy.zeros(1, cupy.int64)
+    slots = cupy.zeros((27, 1000), cupy.int32)
     buf = cupy.empty((10, 8), cupy.float32)
+    args = (f, masks, bits, slots, buf)
     k = gather_kernel(8)
-    be.launch(k, 1000, f, tab, buf)
-    print(f"launch, fast path: {per_call_us(lambda: be.launch(k, 1000, f, tab, buf)):.1f} us")
-    print(f"launch, Numba dispatcher: {per_call_us(lambda: k[4, 256](f, tab, buf)):.1f} us")
+    be.launch(k, 1000, *args)
+    print(f"launch, fast path: {per_call_us(lambda: be.launch(k, 1000, *args)):.1f} us")
+    print(f"launch, Numba dispatcher: {per_call_us(lambda: k[4, 256](*args)):.1f} us")
     print(f"cupy.empty: {per_call_us(lambda: cupy.empty((1000, 8), cupy.float32)):.1f} us; "
           f"cupy.take: {per_call_us(lambda: cupy.take(f, cupy.arange(3), axis=0)):.1f} us")
     rng = np.random.default_rng(0)
