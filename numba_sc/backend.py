@@ -493,21 +493,17 @@ class FastLauncher:
         if entry is None:
             return False
         core_kernel, packers, raw = entry
+        on_raw = raw is not None and self.raw
         flat = []
-        if raw is not None and self.raw:
-            for pack, a in zip(packers, args):
-                if pack is None:  # the array struct, field by field (a piece has it ready)
-                    flat += a.flat if type(a) is Piece else (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape,
-                                                             *a.strides)
-                else:
-                    flat.append(a)
+        for pack, a in zip(packers, args):
+            if pack is None:  # the array struct, field by field (a piece has it ready)
+                flat += a.flat if type(a) is Piece else (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape,
+                                                         *a.strides)
+            else:  # a scalar: as it is into an 8-byte slot, or typed for cuda.core
+                flat.append(a if on_raw else pack(a))
+        if on_raw:
             raw.launch(flat, grid, threads, stream_ptr)
             return True
-        for pack, a in zip(packers, args):
-            if pack is None:
-                flat += a.flat if type(a) is Piece else (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
-            else:
-                flat.append(pack(a))
         core_stream = self._streams.get(stream_ptr)
         if core_stream is None:
             core_stream = self._stream(stream_ptr)
