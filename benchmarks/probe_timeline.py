@@ -218,7 +218,7 @@ def micro(ns, clouds):
     slots = cupy.zeros((27, 1000), cupy.int32)
     buf = cupy.empty((10, 8), cupy.float32)
     args = (f, masks, bits, slots, buf)
-    k = gather_kernel(8)
+    k = gather_kernel(8, 1)  # 8 fp32 channels a thread, one tile per row
     be.launch(k, 1000, *args)
     print(f"launch, fast path: {per_call_us(lambda: be.launch(k, 1000, *args)):.1f} us")
     print(f"launch, Numba dispatcher: {per_call_us(lambda: k[4, 256](*args)):.1f} us")

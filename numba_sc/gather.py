@@ -49,7 +49,7 @@ features and the buffer are handed to it as arrays of unsigned words and each
 thread moves ``T * itemsize / 8`` words instead of T channels (a fp16 tile of 8
 channels is two 64-bit loads and two stores per row instead of eight of each).
 The threads, and what each one covers, stay the same; only the instruction
-count changes (:func:`word_view`).
+count changes (:mod:`numba_sc.words`).
 """
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ from numba import cuda, float32, from_dtype
 
 from .backend import device_xp, launch, piece, resolve_backend, simulating, to_device
 from .metadata import as_point_lists
+from .words import row_words
 
 
 def check_tile(tile, channels, name="tile_size", what="channels"):
@@ -94,40 +95,27 @@ def gather_reference(features, in_table, rows, tile=None):
 
 
 # -------------------------------------------------------------------- kernels
-def word_view(itemsize: int, tile: int):
-    """The widest unsigned word (8 or 4 bytes) that a tile of ``tile`` channels of
-    ``itemsize`` bytes is a whole number of, and the tile in those words; or
-    ``(None, tile)`` when there is none (odd tiles of fp16, tiles of one fp32
-    channel... are moved channel by channel)."""
-    for word in (np.uint64, np.uint32):
-        size = np.dtype(word).itemsize
-        if (tile * itemsize) % size == 0:
-            return word, tile * itemsize // size
-    return None, tile
-
-
 @lru_cache(maxsize=None)
-def gather_kernel(tile: int, word=None, tiles=None):
-    """The gather kernel compiled for one tile size (a compile-time constant, so the
-    tile lives in registers: ``cuda.local.array`` needs a constant length) and one
-    kind of element: ``word=None`` for float features (held as fp32, which holds
-    fp16 exactly), or an unsigned NumPy type when the arrays are word views
-    (:func:`word_view`) and ``tile`` counts words.
+def gather_kernel(tile: int, tiles: int, word=None):
+    """The gather kernel compiled for one tile size, one number of tiles per row
+    (channels / tile) and one kind of element. All three are compile-time
+    constants:
 
-    ``tiles``, the tiles per row (channels / tile), is compiled in too when given
-    (what :func:`gather_cuda` does): every thread divides its index by it, and a
-    64-bit division by a run-time value is a software routine of dozens of
-    instructions, by a constant a multiply and a shift. ``None`` reads it from the
-    array (one kernel for every channel count)."""
+    * the tile lives in registers (``cuda.local.array`` needs a constant length);
+    * every thread divides its index by ``tiles``: a 64-bit division by a
+      run-time value is a software routine of dozens of instructions, by a
+      constant a multiply and a shift;
+    * ``word=None`` for float features (held as fp32, which holds fp16 exactly),
+      or a signed NumPy integer type when the arrays are word views
+      (:func:`numba_sc.words.word_view`) and ``tile`` counts words.
+    """
     held = float32 if word is None else from_dtype(np.dtype(word))
-    fixed = -1 if tiles is None else int(tiles)
 
     @cuda.jit
     def gather(features, in_masks, buffered, in_slots, buf):
         """Input p's rows are ``in_slots[:, p]``, one per set bit of ``in_masks[:, p] &
         buffered``, in offset order (:class:`numba_sc.metadata.PointLists`)."""
         t = cuda.grid(1)
-        tiles = fixed if fixed > 0 else features.shape[1] // tile
         if t < features.shape[0] * tiles:
             p = t // tiles  # neighbouring threads take neighbouring tiles of one point:
             c0 = (t - p * tiles) * tile  # their loads and stores are contiguous
@@ -168,12 +156,12 @@ def gather_cuda(features, in_lists, rows, tile):
     buf = (xp.zeros if simulating() else xp.empty)((rows, f.shape[1]), dtype=f.dtype)
     if rows:
         src, dst = f, buf
-        word, tile_words = word_view(f.itemsize, tile)
+        word, tile_words, per_row = row_words(f.itemsize, tile, f.shape[1])
         if word is not None:  # the same bytes, as rows of words (pieces: no library call)
-            per_row = f.shape[1] * f.itemsize // np.dtype(word).itemsize
             src = piece(f, 0, (f.shape[0], per_row), word)
             dst = piece(buf, 0, (rows, per_row), word)
-        launch(gather_kernel(tile_words, word, f.shape[1] // tile), f.shape[0] * (f.shape[1] // tile), src,
+        tiles = f.shape[1] // tile
+        launch(gather_kernel(tile_words, tiles, word), f.shape[0] * tiles, src,
                to_device(in_lists.masks), to_device(in_lists.buffered), to_device(in_lists.slots), dst)
     return buf
 

@@ -21,6 +21,16 @@ table row ``[4, -1, 9]``)::
     thread (output 3, tile 0): acc = init[3, 0] + obuf[4, 0] + obuf[9, 0]; out[3, 0] = acc
     thread (output 3, tile 1): acc = init[3, 1] + obuf[4, 1] + obuf[9, 1]; out[3, 1] = acc
 
+As in the gather, the buffer and the output are read as words (8 or 4 bytes,
+:mod:`numba_sc.words`) whenever a tile is a whole number of them; here each
+word is then unpacked into its channels (libdevice's bit reinterpretations) to
+be added, and the sums packed back into words for the one store. On the H100
+(Nsight Compute, 1M random voxels, the best tile of each version): fp16 at 128
+channels 222 -> 164 us, fp32 at 64 channels 141 -> 126 us; on SemanticKITTI 46
+-> 42 and 39 -> 35 us. At equal tiles the two are within a few percent; the gain
+is that bigger tiles now pay: channel by channel, a tile of 32 channels ran 2-3.5x
+slower than a tile of 8, as words it is the fastest on 1M voxels.
+
 Napkin math, fp32: every pair's row is read once (``4 * pairs * C_out``), the
 output's mask word and rows ``C_out/T`` times (``8|Q| + 4 * pairs`` each, mostly
 cache hits), the output written once (``4|Q|C_out`` at most, plus the same read
@@ -33,9 +43,10 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32
 
-from .backend import device_xp, launch, resolve_backend, to_device
+from .backend import device_xp, launch, piece, resolve_backend, to_device
 from .gather import check_tile
 from .metadata import as_point_lists
+from .words import lane_codec, lanes, row_words
 
 
 # ------------------------------------------------------------------ reference
@@ -59,22 +70,33 @@ def scatter_reference(obuf, out_table, init=None, n_out=None, channels=None, dty
 
 # -------------------------------------------------------------------- kernels
 @lru_cache(maxsize=None)
-def scatter_kernel(tile: int, tiles=None):
-    """The scatter kernel compiled for one tile size (constant: the tile is in registers)
-    and, when given, one number of tiles per row (constant: the division of every
-    thread's index by it is a multiply and a shift, see
-    :func:`numba_sc.gather.gather_kernel`)."""
-    fixed = -1 if tiles is None else int(tiles)
+def scatter_kernel(tile: int, tiles: int, word=None, itemsize: int = 4):
+    """The scatter kernel compiled for one tile size and one number of tiles per row.
+
+    Both are compile-time constants: the tile is held in registers
+    (``cuda.local.array`` needs a constant length) and every thread divides its
+    index by ``tiles``, a multiply and a shift for a constant where a 64-bit
+    division by a run-time value is a software routine of dozens of
+    instructions.
+
+    ``word=None``: ``obuf`` and ``out`` are float arrays, read and written channel
+    by channel, and ``tile`` counts channels. Otherwise they are the same bytes
+    seen as ``word``s (:mod:`numba_sc.words`), ``tile`` counts words, and each
+    word is unpacked into its ``itemsize``-byte channels to be added: a fp16 tile
+    of 8 channels is then two loads per row instead of eight.
+    """
+    n_lanes = lanes(word, itemsize)
+    lane, packed = lane_codec(word, itemsize)
+    channels = tile * n_lanes  # channels per thread: the accumulator's length
 
     @cuda.jit
     def scatter(obuf, out_masks, buffered, out_slots, has_init, out):
         """Output q's rows are ``out_slots[:, q]``, one per set bit of ``out_masks[:, q] &
         buffered``, in offset order (:class:`numba_sc.metadata.PointLists`)."""
         t = cuda.grid(1)
-        tiles = fixed if fixed > 0 else out.shape[1] // tile
         if t < out.shape[0] * tiles:
             q = t // tiles  # as in the gather: neighbouring threads, neighbouring tiles
-            c0 = (t - q * tiles) * tile
+            c0 = (t - q * tiles) * tile  # first word (or channel) of this thread's tile
             n = 0  # q's entries: its buffered offsets with a pair (shared by all tiles of q)
             for w in range(out_masks.shape[0]):
                 n += cuda.popc(out_masks[w, q] & buffered[w])
@@ -82,17 +104,25 @@ def scatter_kernel(tile: int, tiles=None):
             # no write (most of a sparse cloud's points); without a centre
             # product it gets its zeros.
             if n > 0 or not has_init:
-                acc = cuda.local.array(tile, float32)  # fp32 accumulator, fp16 data or not
-                for c in range(tile):
+                acc = cuda.local.array(channels, float32)  # fp32 accumulator, fp16 data or not
+                if has_init:
                     # ``out`` already holds the centre product: start from it (the
                     # same order of additions as the reference)
-                    acc[c] = out[q, c0 + c] if has_init else float32(0.0)
+                    for c in range(tile):
+                        x = out[q, c0 + c]
+                        for m in range(n_lanes):
+                            acc[c * n_lanes + m] = lane(x, m)
+                else:
+                    for c in range(channels):
+                        acc[c] = float32(0.0)
                 for s in range(n):  # offset order: the same sum, run after run
                     row = out_slots[s, q]
                     for c in range(tile):
-                        acc[c] += obuf[row, c0 + c]
+                        x = obuf[row, c0 + c]
+                        for m in range(n_lanes):
+                            acc[c * n_lanes + m] += lane(x, m)
                 for c in range(tile):
-                    out[q, c0 + c] = acc[c]  # the only write of this tile: no atomics
+                    out[q, c0 + c] = packed(acc, c * n_lanes)  # the tile's only write: no atomics
 
     return scatter
 
@@ -113,9 +143,18 @@ def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=No
         out = to_device(init)
     else:
         out = xp.empty((n_out, channels), dtype=dtype or obuf.dtype)
+    obuf = to_device(obuf)
     tiles = channels // tile
-    launch(scatter_kernel(tile, tiles), n_out * tiles, to_device(obuf), to_device(out_lists.masks),
-           to_device(out_lists.buffered), to_device(out_lists.slots), init is not None, out)
+    word, tile_words, per_row = row_words(out.itemsize, tile, channels)
+    if obuf.dtype != out.dtype:
+        word, tile_words = None, tile  # (the public scatter() takes any buffer dtype)
+    src, dst = obuf, out
+    if word is not None and n_out:  # the same bytes, as rows of words (pieces: no library call)
+        src = piece(obuf, 0, (obuf.shape[0], per_row), word)
+        dst = piece(out, 0, (n_out, per_row), word)
+    launch(scatter_kernel(tile_words, tiles, word, out.itemsize), n_out * tiles, src,
+           to_device(out_lists.masks), to_device(out_lists.buffered), to_device(out_lists.slots),
+           init is not None, dst)
     return out
 
 
