@@ -6,7 +6,10 @@ metadata table less often, smaller tiles give more threads). Which T is fastest
 depends on the GPU, the channels and the cloud, so Minuet measures: for each
 layer, on a few sample clouds, it times the gather with every divisor of C_in and
 the scatter with every divisor of C_out, R rounds each, keeps the fastest, and
-caches the choice so that inference pays nothing.
+caches the choice so that inference pays nothing. Here the R rounds are
+interleaved (each round times every candidate once) and each candidate keeps
+its median, so that a passing slowdown of a shared GPU cannot crown a bad tile
+(:func:`search_tiles`).
 
 Worked example, a layer with C_in = 4 and C_out = 6 on one sample cloud::
 
@@ -81,27 +84,39 @@ def heuristic_tile(channels: int, n_points: int, itemsize: int = 4) -> int:
 def gpu_timer(fn, rounds: int = 5) -> float:
     """Median GPU time of ``fn`` in seconds over ``rounds`` runs (CUDA events), after
     one warm-up run that also compiles the kernel for this tile size."""
+    fn()
+    return statistics.median(gpu_time_once(fn) for _ in range(rounds))
+
+
+def gpu_time_once(fn) -> float:
+    """GPU time of one call of ``fn`` in seconds, between two CUDA events."""
     import cupy
 
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
     fn()
-    times = []
-    for _ in range(rounds):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e-3)
-    return statistics.median(times)
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) * 1e-3
 
 
-def search_tiles(samples, c_out, timer, rounds=5):
+def search_tiles(samples, c_out, timer, rounds=5, warmup=True):
     """Algorithm 2 for one layer: time every divisor, keep the fastest.
 
     ``samples`` is a list of ``(features, plan)`` pairs on the device (features of
     each sample cloud and its :class:`~numba_sc.metadata.GmasPlan`); ``timer(fn)``
-    returns the time of one call of ``fn`` in seconds. The time of a tile size is
-    its sum over the samples.
+    returns the time of one call of ``fn`` in seconds. The time of a tile size in
+    one round is its sum over the samples; its score is the median of its rounds.
+
+    The rounds are *interleaved*: every round times every candidate once (in
+    alternating directions), rather than each candidate timing all its rounds
+    before the next starts. A shared GPU slows down in bursts, and a burst of a
+    few milliseconds then costs each candidate one round, which the median
+    drops, instead of all the rounds of the unlucky candidates. (Seen on the
+    H100, run in a row: a burst during the fp16 128-channel gather's candidates
+    4 to 64 made it pick a tile of 128, which ran the layer's gather in 218 us
+    where tile 32 takes 117.) ``warmup``: one untimed call of every candidate
+    first, which also compiles its kernel.
     """
     from .gather import gather_cuda
     from .scatter import scatter_cuda
@@ -110,15 +125,26 @@ def search_tiles(samples, c_out, timer, rounds=5):
     c_in = samples[0][0].shape[1]
     dtype = samples[0][0].dtype
     obufs = [xp.zeros((plan.rows, c_out), dtype=dtype) for _, plan in samples]
+
+    def calls(stage, t):
+        if stage == "gather":
+            return [lambda f=f, p=p: gather_cuda(f, p.in_lists, p.rows, t) for f, p in samples]
+        return [lambda o=o, p=p: scatter_cuda(o, p.out_lists, None, p.n_out, c_out, dtype, t)
+                for (_, p), o in zip(samples, obufs)]
+
+    candidates = [("gather", t, calls("gather", t)) for t in divisors(c_in)]
+    candidates += [("scatter", t, calls("scatter", t)) for t in divisors(c_out)]
+    if warmup:
+        for _, _, fns in candidates:
+            for fn in fns:
+                fn()
+    measured = {(stage, t): [] for stage, t, _ in candidates}
+    for r in range(rounds):
+        for stage, t, fns in (candidates if r % 2 == 0 else candidates[::-1]):
+            measured[(stage, t)].append(sum(timer(fn) for fn in fns))
     timings = {"gather": {}, "scatter": {}}
-    for t in divisors(c_in):
-        timings["gather"][t] = sum(
-            timer(lambda f=f, p=p: gather_cuda(f, p.in_lists, p.rows, t)) for f, p in samples)
-    for t in divisors(c_out):
-        timings["scatter"][t] = sum(
-            timer(lambda o=o, p=p: scatter_cuda(o, p.out_lists, None, p.n_out,
-                                                 c_out, dtype, t))
-            for (_, p), o in zip(samples, obufs))
+    for (stage, t), times in measured.items():
+        timings[stage][t] = statistics.median(times)
     best = {s: min(d, key=d.get) for s, d in timings.items()}  # ties: the smaller tile
     return best["gather"], best["scatter"], timings
 
@@ -134,9 +160,10 @@ def autotune(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False,
     ``sparse_conv3d(..., layer=same name)`` (or, without names, with the same
     channels, kernel volume, dtype and direction) use the choice.
 
-    On a GPU the search times every divisor with CUDA events (``rounds`` runs,
-    median). Under the simulator or the reference backend timing is meaningless
-    and :func:`heuristic_tile` decides, unless ``timer(fn) -> seconds`` is given.
+    On a GPU the search times every divisor with CUDA events (``rounds``
+    interleaved rounds, median; :func:`search_tiles`). Under the simulator or the
+    reference backend timing is meaningless and :func:`heuristic_tile` decides,
+    unless ``timer(fn) -> seconds`` (the time of one call) is given.
     """
     from .backend import resolve_backend
     from .conv import _prepare_layer
@@ -148,15 +175,17 @@ def autotune(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False,
     feats, w, km, plan = prepared[0]
     c_in, c_out = w.shape[1], w.shape[2]
     key = layer_key(layer, c_in, c_out, w.shape[0], feats.dtype, transposed)
+    warmup = timer is None
     if timer is None and bk == "cuda" and not simulating():
-        timer = lambda fn: gpu_timer(fn, rounds)  # noqa: E731
+        timer = gpu_time_once
     if timer is None or bk == "reference":
         n_in, n_out = feats.shape[0], len(km.out_coords)  # km: the map actually used
         item = np.dtype(feats.dtype).itemsize
         choice = TileChoice(heuristic_tile(c_in, n_in, item), heuristic_tile(c_out, n_out, item),
                             "heuristic")
     else:
-        g, s, timings = search_tiles([(f, p) for f, _, _, p in prepared], c_out, timer, rounds)
+        g, s, timings = search_tiles([(f, p) for f, _, _, p in prepared], c_out, timer, rounds,
+                                     warmup)
         choice = TileChoice(g, s, "autotuned", timings)
     _CACHE[key] = choice
     return choice
