@@ -15,8 +15,9 @@ all alike; the medians over all rounds are compared. The package imports itself 
 
 Workloads, on SemanticKITTI at 0.05 m and on 1M random voxels in a 400^3 box:
 the Map step (``assume_sorted=True``, as a layer calls it, and the default call
-on sorted input) beside spconv's ``get_indice_pairs`` (subm), and a 64 -> 64
-fp32 layer (Map + GMaS, fixed tiles) beside spconv's ``SubMConv3d`` (Native and
+on sorted input) beside spconv's ``get_indice_pairs`` (subm), and a C -> C
+layer (``--channels``, default 64; ``--dtype``, default fp32; Map + GMaS with
+the tiles ``--tiles``) beside spconv's ``SubMConv3d`` (Native and
 MaskImplicitGemm, fresh indices so its pairs are rebuilt). Never runs in CI.
 """
 import argparse
@@ -37,20 +38,20 @@ from _record import recorded  # noqa: E402
 from bench_conv import kitti_coords, random_coords  # noqa: E402
 
 
-def ours(pkg, coords, ch):
+def ours(pkg, coords, ch, dtype=np.float32, tiles=(8, 8)):
     import cupy
 
     rng = np.random.default_rng(0)
-    x = pkg.SparseTensor(cupy.asarray(coords), cupy.asarray(rng.standard_normal((len(coords), ch)).astype(np.float32)))
-    w = cupy.asarray((rng.standard_normal((27, ch, ch)) / np.sqrt(ch)).astype(np.float32))
+    x = pkg.SparseTensor(cupy.asarray(coords), cupy.asarray(rng.standard_normal((len(coords), ch)).astype(dtype)))
+    w = cupy.asarray((rng.standard_normal((27, ch, ch)) / np.sqrt(ch)).astype(dtype))
     return {
         "map": lambda: pkg.build_kernel_map(x.coords, 3, assume_sorted=True),
         "map default": lambda: pkg.build_kernel_map(x.coords, 3),
-        f"layer {ch}": lambda: pkg.sparse_conv3d(x, w, 3, tile_size=(8, 8)),
+        f"layer {ch}": lambda: pkg.sparse_conv3d(x, w, 3, tile_size=tiles),
     }
 
 
-def spconv_calls(coords, ch):
+def spconv_calls(coords, ch, dtype=np.float32):
     import spconv.pytorch as spconv
     import torch
     from spconv.core import ConvAlgo
@@ -60,12 +61,14 @@ def spconv_calls(coords, ch):
     c = coords - coords.min(0)
     shape = (c.max(0) + 1).tolist()
     ind = torch.from_numpy(np.column_stack([np.zeros(len(c), np.int32), c]).astype(np.int32)).to(dev)
-    feats = torch.from_numpy(np.random.default_rng(0).standard_normal((len(c), ch)).astype(np.float32)).to(dev)
+    feats = torch.from_numpy(np.random.default_rng(0).standard_normal((len(c), ch)).astype(dtype)).to(dev)
     calls = {("map", "spconv"): lambda: ops.get_indice_pairs(ind, 1, shape, ConvAlgo.Native, [3, 3, 3], [1, 1, 1],
                                                  [1, 1, 1], [1, 1, 1], [0, 0, 0], subm=True)}
     for algo in ("Native", "MaskImplicitGemm"):
         conv = spconv.SubMConv3d(ch, ch, 3, bias=False, indice_key="ab",
                                  algo=getattr(ConvAlgo, algo)).to(dev).eval()
+        if np.dtype(dtype) == np.float16:
+            conv = conv.half()
 
         def layer(conv=conv):
             with torch.no_grad():
@@ -106,12 +109,15 @@ def main():
     ap.add_argument("--block", type=int, default=4, help="calls per contender and round, after one not kept")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--channels", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", help="features and weights: float32 or float16")
+    ap.add_argument("--tiles", default="8,8", help="gather,scatter tile sizes of our layers")
     ap.add_argument("--clouds", default="kitti,random1M")
     ap.add_argument("--out", default="ab.json")
     ap.add_argument("--note", default="")
     ap.add_argument("--only", default="", help="keep the workloads whose name starts with this (e.g. map)")
     args = ap.parse_args()
 
+    tiles = tuple(int(t) for t in args.tiles.split(","))
     import numba_sc as new
     packages = {"new": new}
     if (Path(args.base) / "base_sc").is_dir():
@@ -123,10 +129,10 @@ def main():
         coords = makers[cname]()
         contenders = {}
         for pname, pkg in packages.items():
-            for wname, fn in ours(pkg, coords, args.channels).items():
+            for wname, fn in ours(pkg, coords, args.channels, np.dtype(args.dtype), tiles).items():
                 contenders[(wname, pname)] = fn
         try:
-            contenders.update(spconv_calls(coords, args.channels))
+            contenders.update(spconv_calls(coords, args.channels, np.dtype(args.dtype)))
         except Exception as e:  # noqa: BLE001 - a missing peer: compare the two versions only
             print(f"spconv not run: {type(e).__name__}: {e}")
         contenders = {key: fn for key, fn in contenders.items() if key[0].startswith(args.only)}
