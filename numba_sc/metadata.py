@@ -115,7 +115,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, int32
+from numba import cuda, int32, int64, uint64
 
 from . import gemm_grouping as gg
 from .backend import as_array, device_xp, filled, launch, piece, resolve_backend, simulating, to_device, to_device_async, to_host
@@ -509,43 +509,6 @@ def chunk_counts_kernel(table, chunk, counts2d):
         counts2d[k, c] = total
 
 
-@cuda.jit(device=True)
-def _block_first_ranks(counts2d, k, c, n_hits, scan, first):
-    """Rank of this thread's first pair within offset k, for one block of chunk c.
-
-    That is the pairs of k in the chunks before c (``counts2d[k, :c].sum()``: each
-    thread adds a strided share into ``first[0]``) plus the pairs of the threads
-    before this one in the chunk: an exclusive scan of ``n_hits`` over the
-    block, done as a Hillis-Steele scan in shared memory - log2(threads) steps,
-    in step d every thread adds the value d places before it.
-
-    Why not one thread adding up the block's counts one by one: Nsight Compute
-    had that version of the lists kernel at 81 % of the SMs' issue rate on 1M
-    points, a third of its instructions spent by the one busy lane of each
-    serial loop while its warp waited.
-    """
-    t = cuda.threadIdx.x
-    share = 0
-    for cc in range(t, c, cuda.blockDim.x):
-        share += counts2d[k, cc]
-    if t == 0:
-        first[0] = 0
-    scan[t] = n_hits
-    cuda.syncthreads()  # first[0] is zeroed, every count is in
-    if share > 0:
-        cuda.atomic.add(first, 0, share)
-    d = 1
-    while d < cuda.blockDim.x:  # inclusive scan: scan[t] = n_hits of threads 0..t
-        v = scan[t - d] if t >= d else 0
-        cuda.syncthreads()  # everyone has read before anyone writes
-        scan[t] += v
-        cuda.syncthreads()  # ... and written before the next step reads
-        d *= 2
-    if cuda.blockDim.x == 1:
-        cuda.syncthreads()  # (no step ran: the share's atomic must still land first)
-    return first[0] + scan[t] - n_hits
-
-
 MASK_BITS = 32  # offsets per word of an output's mask
 
 
@@ -590,56 +553,114 @@ def masks_kernel(table, out_masks, in_masks):
                     m = 0
 
 
-@cuda.jit(device=True)
-def _slot(masks, buffered, k, n):
-    """Entries of point n before offset k: its buffered offsets below k with a pair
-    (popcounts of its mask words), i.e. where pair (k, n) goes in n's list."""
-    w = k // MASK_BITS
-    s = cuda.popc(masks[w, n] & buffered[w] & ((1 << (k % MASK_BITS)) - 1))
-    for v in range(w):
-        s += cuda.popc(masks[v, n] & buffered[v])
-    return s
+@lru_cache(maxsize=None)
+def lists_kernel(K: int, threads: int):
+    """The lists kernel compiled for K offsets and blocks of ``threads`` threads.
 
-
-@cuda.jit
-def lists_kernel(table, counts2d, base, buffered, chunk, out_masks, in_masks, in_slots, out_slots):
-    """One block per (offset k, chunk c): the buffer rows of the pairs of k in chunk c,
-    written into the lists of their input and output.
+    One block per (offset k, chunk c): the buffer rows of the pairs of k in chunk
+    c, written into the lists of their input and output.
 
     Blocks are numbered with k varying fastest (block = c * K + k), so the K
     blocks of a chunk run at about the same time and read the same part of the
     table: what one reads, the others find in the L2 cache.
 
     1. Rank: each thread counts the pairs of k among its run of 8 outputs, and
-       :func:`_block_first_ranks` turns the counts into the rank of its first
-       pair within offset k (ranks rise in output order: the block owns
-       consecutive outputs, each thread a contiguous run of them).
+       turns the counts into the rank of its first pair within offset k (ranks
+       rise in output order: the block owns consecutive outputs, each thread a
+       contiguous run of them). That rank is the pairs of k in the chunks before
+       c (``counts2d[k, :c].sum()``: each thread adds a strided share into
+       ``first[0]``) plus the pairs of the threads before this one: an exclusive
+       scan of the counts over the block, done as a Hillis-Steele scan in shared
+       memory - log2(threads) steps, in step d every thread adds the value d
+       places before it.
     2. Row: pair number ``rank`` of offset k gets row ``base[k] + rank``.
-    3. Lists: pair (k, i, j) goes to slot :func:`_slot` of output i's list and
-       of input j's, counted in their masks (``buffered``: the bits of the
-       offsets in the buffers). Both lists come out in offset order, whichever
-       block runs first, with no atomics and no counters to zero.
+    3. Lists: pair (k, i, j) goes to the slot of output i's list and of input j's
+       that counts the buffered offsets below k in the point's mask
+       (``buffered``: the bits of the offsets in the buffers). Both lists come out
+       in offset order, whichever block runs first, with no atomics and no
+       counters to zero.
 
     ``base[k]`` is the same for the whole block, so a block whose offset is not
     in the buffers leaves together, before any barrier.
+
+    Why compiled per (K, threads), with unsigned indices: this kernel is bound by
+    its instruction issue, and Nsight Compute's per-instruction counts on 1M
+    points (124M warp instructions) had three kinds of overhead on top of the
+    work: a 64-bit division of the block index by a run-time K (7 %), another by
+    the run-time block size in the share loop (3 %), and, on every table, mask and
+    slot access, the few instructions Numba adds to wrap a negative *signed*
+    index around (about half of the two table walks). With K, the block size and
+    the chunk compile-time constants and every index unsigned (NumPy unsigned
+    constants keep Numba's arithmetic unsigned: a signed-unsigned mix would be
+    float64), each of those is gone. Why not one thread adding up the block's
+    counts one by one instead of the scan: that version ran at 81 % of the SMs'
+    issue rate, a third of its instructions spent by the one busy lane of each
+    serial loop while its warp waited.
     """
-    K = table.shape[0]
-    k = cuda.blockIdx.x % K
-    c = cuda.blockIdx.x // K
-    first_row = base[k]
-    if first_row < 0:
-        return  # no pairs, or the centre multiplied directly
-    lo, hi = _thread_range(c, chunk, table.shape[1])
-    scan = cuda.shared.array(MAX_THREADS, int32)
-    first = cuda.shared.array(1, int32)
-    rank = _block_first_ranks(counts2d, k, c, _hits(table, k, lo, hi), scan, first)
-    for i in range(lo, hi):  # the same outputs again, read a moment ago: likely still cached
-        j = table[k, i]
-        if j >= 0:
-            row = first_row + rank
-            rank += 1
-            out_slots[_slot(out_masks, buffered, k, i), i] = row
-            in_slots[_slot(in_masks, buffered, k, j), j] = row
+    k_count, items = np.uint64(K), np.uint64(ITEMS_PER_THREAD)
+    step, chunk = np.uint64(threads), np.uint64(threads * ITEMS_PER_THREAD)
+    bits = np.uint64(MASK_BITS)
+    log_threads = threads.bit_length() - 1  # threads is a power of two
+
+    @cuda.jit(device=True)
+    def slot(masks, buffered, k, n):
+        """Entries of point n before offset k: its buffered offsets below k with a
+        pair (popcounts of its mask words), i.e. where pair (k, n) goes in n's list."""
+        w = k // bits
+        below = (1 << int64(k % bits)) - 1
+        s = cuda.popc(masks[w, n] & buffered[w] & below)
+        for v in range(w):
+            s += cuda.popc(masks[v, n] & buffered[v])
+        return uint64(s)
+
+    @cuda.jit
+    def lists(table, counts2d, base, buffered, out_masks, in_masks, in_slots, out_slots):
+        k = uint64(cuda.blockIdx.x) % k_count  # constant divisor: a multiply and a shift
+        c = uint64(cuda.blockIdx.x) // k_count
+        first_row = base[k]
+        if first_row < 0:
+            return  # no pairs, or the centre multiplied directly
+        t = uint64(cuda.threadIdx.x)
+        lo = c * chunk + t * items  # this thread's outputs: lo .. lo + 7, those below n_out
+        n_out = uint64(table.shape[1])
+        row = table[k]  # offset k's entries, indexed from here on
+        n_hits = 0
+        for u in range(items):  # a constant trip count: unrolled
+            if lo + u < n_out and row[lo + u] >= 0:
+                n_hits += 1
+        # -- the rank of this thread's first pair
+        scan = cuda.shared.array(MAX_THREADS, int32)
+        first = cuda.shared.array(1, int32)
+        share = 0
+        for cc in range(t, c, step):
+            share += counts2d[k, cc]
+        if cuda.threadIdx.x == 0:
+            first[0] = 0
+        scan[t] = n_hits
+        cuda.syncthreads()  # first[0] is zeroed, every count is in
+        if share > 0:
+            cuda.atomic.add(first, 0, share)
+        for e in range(log_threads):  # inclusive scan: scan[t] = n_hits of threads 0..t
+            d = np.uint64(1) << uint64(e)
+            v = scan[t - d] if t >= d else 0
+            cuda.syncthreads()  # everyone has read before anyone writes
+            scan[t] += v
+            cuda.syncthreads()  # ... and written before the next step reads
+        if log_threads == 0:
+            cuda.syncthreads()  # (no step ran: the share's atomic must still land first)
+        rank = first[0] + scan[t] - n_hits
+        # -- the rows, into both lists
+        for u in range(items):  # the same outputs again: likely still cached
+            i = lo + u
+            if i < n_out:
+                j = row[i]
+                if j >= 0:
+                    r = first_row + rank
+                    rank += 1
+                    out_slots[slot(out_masks, buffered, k, i), i] = r
+                    in_slots[slot(in_masks, buffered, k, uint64(j)), uint64(j)] = r
+
+    return lists
 
 
 def masks_cuda(table, n_in):
@@ -708,7 +729,7 @@ def build_plan_cuda(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
     in_slots = piece(slots, 0, (K, n_in), np.int32)
     out_slots = piece(slots, 4 * K * n_in, (K, n_out), np.int32)
     if counts2d.size:
-        launch(lists_kernel, counts2d.size, table, counts2d, d_base, buffered, chunk, out_masks,
+        launch(lists_kernel(K, threads), counts2d.size, table, counts2d, d_base, buffered, out_masks,
                in_masks, in_slots, out_slots, threads=threads, blocks=counts2d.size)
     return GmasPlan(counts, order, groups, base, rows, centre, PointLists(in_slots, in_masks, buffered),
                     PointLists(out_slots, out_masks, buffered), policy)
