@@ -49,7 +49,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, int32, int64
+from numba import cuda, int32, int64, uint64
 
 from .backend import device_xp, filled, launch, simulating
 from .metadata import MASK_BITS
@@ -137,24 +137,6 @@ TALLY = 4  # shared-memory slots per table row (the searched row and its mirror)
 TALLY_SLOTS = 2 * TALLY  # a named constant: shared array sizes must be compile-time constants
 
 
-@cuda.jit(device=True, inline=True)
-def count_pair(tally, slot0, chunk_counts, row, c, c0):
-    """One pair of table row ``row`` in chunk ``c``: into ``tally[slot0 + c - c0]``
-    when that is one of the block's TALLY slots from chunk ``c0``, else global."""
-    if c - c0 < TALLY:
-        cuda.atomic.add(tally, slot0 + c - c0, 1)
-    else:
-        cuda.atomic.add(chunk_counts, (row, c), 1)
-
-
-@cuda.jit(device=True, inline=True)
-def set_bit(masks, k, i):
-    """Bit k of point i's mask: ``masks[k // MASK_BITS, i] |= 1 << (k % MASK_BITS)``.
-    Other blocks may set other bits of the same word (other offsets of point i)
-    at the same time, hence the atomic OR."""
-    cuda.atomic.or_(masks, (k // MASK_BITS, i), np.int64(1) << (k % MASK_BITS))
-
-
 @lru_cache(maxsize=None)
 def forward_search_kernel(B: int, with_masks: bool = False, threads: int = FORWARD_THREADS):
     """The forward-search kernel for source blocks of ``B`` keys (compiled once per B),
@@ -163,9 +145,36 @@ def forward_search_kernel(B: int, with_masks: bool = False, threads: int = FORWA
     for thread blocks of ``threads`` threads: the strided loops below step by that
     constant, so their trip counts cost a multiply and a shift instead of a
     division by ``blockDim.x`` (tens of instructions per loop and thread). Launch
-    it with exactly ``threads`` threads per block."""
+    it with exactly ``threads`` threads per block.
+
+    The indices are unsigned (NumPy unsigned constants keep Numba's arithmetic
+    unsigned; a signed-unsigned mix would be float64): on a signed index Numba
+    adds the few instructions that wrap a negative index around, on every table,
+    shared-memory and mask access, and this kernel is bound by its instruction
+    issue (Nsight Compute, 1M points: 116M warp instructions, a third of them in
+    the loop over queries).
+    """
     steps = B.bit_length() - 1  # log2(B): the search below takes exactly this many steps
     pad = np.int64(np.iinfo(np.int64).max)  # fills a short last block: larger than any query
+    size, step = np.uint64(B), np.uint64(threads)
+    zero, one, bits = np.uint64(0), np.uint64(1), np.uint64(MASK_BITS)
+    n_tally, n_slots = np.uint64(TALLY), np.uint64(TALLY_SLOTS)
+
+    @cuda.jit(device=True, inline=True)
+    def count_pair(tally, slot0, chunk_counts, row, c, c0):
+        """One pair of table row ``row`` in chunk ``c``: into ``tally[slot0 + c - c0]``
+        when that is one of the block's TALLY slots from chunk ``c0``, else global."""
+        if c - c0 < n_tally:
+            cuda.atomic.add(tally, slot0 + c - c0, 1)
+        else:
+            cuda.atomic.add(chunk_counts, (row, c), 1)
+
+    @cuda.jit(device=True, inline=True)
+    def set_bit(masks, k, i):
+        """Bit k of point i's mask: ``masks[k // MASK_BITS, i] |= 1 << (k % MASK_BITS)``.
+        Other blocks may set other bits of the same word (other offsets of point i)
+        at the same time, hence the atomic OR."""
+        cuda.atomic.or_(masks, (k // bits, i), np.int64(1) << int64(k % bits))
 
     @cuda.jit
     def forward_search(skeys, qkeys, deltas, rows, n_rows, table, counts, chunk_shift, chunk_counts, out_masks,
@@ -177,35 +186,38 @@ def forward_search_kernel(B: int, with_masks: bool = False, threads: int = FORWA
         instructions, run for every pair), and for each pair (k, i, j)
         sets bit k of output i's mask and of input j's (``out_masks``, ``in_masks``,
         see :mod:`numba_sc.metadata`)."""
-        r = cuda.blockIdx.x
-        if r >= n_rows[0]:
+        if cuda.blockIdx.x >= n_rows[0]:
             return  # surplus block of the upper-bound launch; the whole block leaves together
-        k = rows[r, 0]
-        j = rows[r, 1]
-        q0 = rows[r, 2]
-        q1 = rows[r, 3]
-        first = np.int64(j) * B  # global sorted index of the source block's first key
+        r = uint64(cuda.blockIdx.x)
+        k = uint64(rows[r, 0])
+        j = uint64(rows[r, 1])
+        q0 = uint64(rows[r, 2])
+        q1 = uint64(rows[r, 3])
+        shift = uint64(chunk_shift)
+        first = j * size  # global sorted index of the source block's first key
         # Only segments 0..h-1 are searched (h = deltas.shape[0]); with a symmetric
         # submanifold kernel the rows h..K-1 of the table are the mirrors of rows
         # K-1-h..0 (see mirror_reference). Without one, h = K and nothing is mirrored.
-        mirror = table.shape[0] - 1 - k
-        n = min(B, skeys.shape[0] - first)  # the last source block may be short
+        mirror = uint64(table.shape[0]) - one - k
+        mirrored = mirror >= uint64(deltas.shape[0])  # row `mirror` is not searched: write its pairs
+        n = min(size, uint64(skeys.shape[0]) - first)  # the last source block may be short
         source = cuda.shared.array(B, int64)  # B is a compile-time constant here
         hits = cuda.shared.array(1, int32)
         tally = cuda.shared.array(TALLY_SLOTS, int32)  # per chunk: row k's, then the mirror's
-        c_main = q0 >> chunk_shift  # the first chunk of this block's outputs in row k
-        c_mirror = first >> chunk_shift  # ... and of its mirrored pairs' outputs in row `mirror`
+        c_main = q0 >> shift  # the first chunk of this block's outputs in row k
+        c_mirror = first >> shift  # ... and of its mirrored pairs' outputs in row `mirror`
+        t0 = uint64(cuda.threadIdx.x)
         if cuda.threadIdx.x == 0:
             hits[0] = 0
-        for u in range(cuda.threadIdx.x, TALLY_SLOTS, threads):
+        for u in range(t0, n_slots, step):
             tally[u] = 0
-        for t in range(cuda.threadIdx.x, B, threads):
+        for t in range(t0, size, step):
             # neighbouring threads, neighbouring keys: coalesced; a short last block is
             # padded so that every search below can run over exactly B keys
             source[t] = skeys[first + t] if t < n else pad
         cuda.syncthreads()  # the whole block must be loaded before anyone searches
         mine = 0
-        for i in range(q0 + cuda.threadIdx.x, q1, threads):
+        for i in range(q0 + t0, q1, step):
             q = query_key(qkeys, deltas, k, i)
             # Lower bound (first key >= q) in shared memory, written without a data-
             # dependent loop: B is a power of two, so log2(B) halvings always suffice,
@@ -215,23 +227,22 @@ def forward_search_kernel(B: int, with_masks: bool = False, threads: int = FORWA
             # that whole half is < q too. Same answer as the lo/hi loop of the
             # reference; on the H100 the loop version kept the SMs busy with index
             # arithmetic (85 % issue-bound at 304 us on 1M points).
-            lo = 0
-            half = B
-            for _ in range(steps):
-                half >>= 1
-                if source[lo + half - 1] < q:
+            lo = uint64(0)
+            for e in range(steps):
+                half = size >> uint64(e + 1)
+                if source[lo + half - one] < q:
                     lo += half
             # lo < n always holds (the query is <= the block's pivot, source[n - 1]);
             # the test only guards against a corrupted rows array
             if lo < n and source[lo] == q:
                 table[k, i] = first + lo
-                count_pair(tally, 0, chunk_counts, k, i >> chunk_shift, c_main)
+                count_pair(tally, zero, chunk_counts, k, i >> shift, c_main)
                 if with_masks:
                     set_bit(out_masks, k, i)
                     set_bit(in_masks, k, first + lo)
-                if mirror >= deltas.shape[0]:  # row `mirror` is not searched: write its pair
+                if mirrored:
                     table[mirror, first + lo] = i
-                    count_pair(tally, TALLY, chunk_counts, mirror, (first + lo) >> chunk_shift, c_mirror)
+                    count_pair(tally, n_tally, chunk_counts, mirror, (first + lo) >> shift, c_mirror)
                     if with_masks:
                         set_bit(out_masks, mirror, first + lo)
                         set_bit(in_masks, mirror, i)
@@ -244,14 +255,14 @@ def forward_search_kernel(B: int, with_masks: bool = False, threads: int = FORWA
         cuda.syncthreads()
         if cuda.threadIdx.x == 0 and hits[0] > 0:
             cuda.atomic.add(counts, k, hits[0])
-            if mirror >= deltas.shape[0]:
+            if mirrored:
                 cuda.atomic.add(counts, mirror, hits[0])
-        for u in range(cuda.threadIdx.x, TALLY_SLOTS, threads):  # the tallies, once a block
+        for u in range(t0, n_slots, step):  # the tallies, once a block
             if tally[u] > 0:
-                if u < TALLY:
+                if u < n_tally:
                     cuda.atomic.add(chunk_counts, (k, c_main + u), tally[u])
                 else:
-                    cuda.atomic.add(chunk_counts, (mirror, c_mirror + u - TALLY), tally[u])
+                    cuda.atomic.add(chunk_counts, (mirror, c_mirror + u - n_tally), tally[u])
 
     return forward_search
 
