@@ -56,7 +56,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, from_dtype
+from numba import cuda, float32, from_dtype, uint64
 
 from .backend import device_xp, launch, piece, resolve_backend, simulating, to_device
 from .metadata import as_point_lists
@@ -110,32 +110,35 @@ def gather_kernel(tile: int, tiles: int, word=None):
       (:func:`numba_sc.words.word_view`) and ``tile`` counts words.
     """
     held = float32 if word is None else from_dtype(np.dtype(word))
+    # Unsigned constants keep the index arithmetic unsigned (see
+    # numba_sc.metadata.lists_kernel: a signed index costs a wraparound test per access)
+    per_thread, per_row = np.uint64(tile), np.uint64(tiles)
 
     @cuda.jit
     def gather(features, in_masks, buffered, in_slots, buf):
         """Input p's rows are ``in_slots[:, p]``, one per set bit of ``in_masks[:, p] &
         buffered``, in offset order (:class:`numba_sc.metadata.PointLists`)."""
-        t = cuda.grid(1)
-        if t < features.shape[0] * tiles:
-            p = t // tiles  # neighbouring threads take neighbouring tiles of one point:
-            c0 = (t - p * tiles) * tile  # their loads and stores are contiguous
+        t = uint64(cuda.grid(1))
+        if t < uint64(features.shape[0]) * per_row:
+            p = t // per_row  # neighbouring threads take neighbouring tiles of one point:
+            c0 = (t - p * per_row) * per_thread  # their loads and stores are contiguous
             n = 0  # p's entries: its buffered offsets with a pair (the same for all tiles of p)
-            for w in range(in_masks.shape[0]):
+            for w in range(uint64(in_masks.shape[0])):
                 n += cuda.popc(in_masks[w, p] & buffered[w])
             if n > 0:
                 # A point with no pair outside the centre (about 2 in 3 of 1M random
                 # voxels in 400^3) has its features never read.
                 v = cuda.local.array(tile, held)  # fp32 holds fp16 exactly; words are words
-                for c in range(tile):
+                for c in range(per_thread):
                     v[c] = features[p, c0 + c]
                 # Only the offsets that have a pair (Algorithm 1, line 4), in offset
                 # order: the threads of a warp, on neighbouring points, mostly reach
                 # the same offset at the same step and write neighbouring rows (an
                 # offset's rows follow the points' order). In a run-dependent order
                 # the same gather took 77 us instead of 46 on SemanticKITTI.
-                for s in range(n):
-                    row = in_slots[s, p]
-                    for c in range(tile):
+                for s in range(uint64(n)):
+                    row = uint64(in_slots[s, p])
+                    for c in range(per_thread):
                         buf[row, c0 + c] = v[c]
 
     return gather

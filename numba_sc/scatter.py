@@ -41,7 +41,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, uint64
 
 from .backend import device_xp, launch, piece, resolve_backend, to_device
 from .gather import check_tile
@@ -88,17 +88,19 @@ def scatter_kernel(tile: int, tiles: int, word=None, itemsize: int = 4):
     n_lanes = lanes(word, itemsize)
     lane, packed = lane_codec(word, itemsize)
     channels = tile * n_lanes  # channels per thread: the accumulator's length
+    # unsigned, as in the gather (numba_sc.gather.gather_kernel)
+    per_thread, per_row, n_u = np.uint64(tile), np.uint64(tiles), np.uint64(n_lanes)
 
     @cuda.jit
     def scatter(obuf, out_masks, buffered, out_slots, has_init, out):
         """Output q's rows are ``out_slots[:, q]``, one per set bit of ``out_masks[:, q] &
         buffered``, in offset order (:class:`numba_sc.metadata.PointLists`)."""
-        t = cuda.grid(1)
-        if t < out.shape[0] * tiles:
-            q = t // tiles  # as in the gather: neighbouring threads, neighbouring tiles
-            c0 = (t - q * tiles) * tile  # first word (or channel) of this thread's tile
+        t = uint64(cuda.grid(1))
+        if t < uint64(out.shape[0]) * per_row:
+            q = t // per_row  # as in the gather: neighbouring threads, neighbouring tiles
+            c0 = (t - q * per_row) * per_thread  # first word (or channel) of this thread's tile
             n = 0  # q's entries: its buffered offsets with a pair (shared by all tiles of q)
-            for w in range(out_masks.shape[0]):
+            for w in range(uint64(out_masks.shape[0])):
                 n += cuda.popc(out_masks[w, q] & buffered[w])
             # An output without pairs keeps its centre product untouched: no read,
             # no write (most of a sparse cloud's points); without a centre
@@ -108,21 +110,21 @@ def scatter_kernel(tile: int, tiles: int, word=None, itemsize: int = 4):
                 if has_init:
                     # ``out`` already holds the centre product: start from it (the
                     # same order of additions as the reference)
-                    for c in range(tile):
+                    for c in range(per_thread):
                         x = out[q, c0 + c]
-                        for m in range(n_lanes):
-                            acc[c * n_lanes + m] = lane(x, m)
+                        for m in range(n_u):
+                            acc[c * n_u + m] = lane(x, m)
                 else:
                     for c in range(channels):
                         acc[c] = float32(0.0)
-                for s in range(n):  # offset order: the same sum, run after run
-                    row = out_slots[s, q]
-                    for c in range(tile):
+                for s in range(uint64(n)):  # offset order: the same sum, run after run
+                    row = uint64(out_slots[s, q])
+                    for c in range(per_thread):
                         x = obuf[row, c0 + c]
-                        for m in range(n_lanes):
-                            acc[c * n_lanes + m] += lane(x, m)
-                for c in range(tile):
-                    out[q, c0 + c] = packed(acc, c * n_lanes)  # the tile's only write: no atomics
+                        for m in range(n_u):
+                            acc[c * n_u + m] += lane(x, m)
+                for c in range(per_thread):
+                    out[q, c0 + c] = packed(acc, c * n_u)  # the tile's only write: no atomics
 
     return scatter
 

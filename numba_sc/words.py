@@ -40,7 +40,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, int16, int32, int64
+from numba import cuda, float32, int16, int32, int64, uint64
 
 from .backend import simulating
 
@@ -139,13 +139,13 @@ def lane_codec(word, itemsize: int):
 
     @cuda.jit(device=True)
     def lane(x, lane_index):
-        return from_bits((int64(x) >> (bits * lane_index)) & mask)
+        return from_bits((int64(x) >> (int64(lane_index) * bits)) & mask)
 
     @cuda.jit(device=True)
     def packed(acc, i):
         v = int64(0)
         for m in range(n):  # constant trip count: unrolled
-            v |= to_bits(acc[i + m]) << (bits * m)
+            v |= to_bits(acc[i + uint64(m)]) << (bits * m)
         return as_word(v)
 
     return lane, packed
