@@ -262,6 +262,9 @@ def main():
                         rec["traceback"] = traceback.format_exc()
                         print(f"[{impl} {dname} {cin}->{cout} {dt}] failed: {e!r}")
                     results["runs"].append(rec)
+                    # written after every row: a run cut short still leaves what it measured
+                    results["recorded"] = recorded(args.note)
+                    Path(args.out).write_text(json.dumps(results, indent=1))
                     if "end_to_end" in rec:
                         e2e, gm = rec["end_to_end"], rec.get("gmas", {})
                         print(f"{dname:8} {len(coords):8d} {cin:>4}->{cout:<4} {impl:22} {dt:8} "
