@@ -16,7 +16,7 @@ all alike; the medians over all rounds are compared. The package imports itself 
 Workloads, on SemanticKITTI at 0.05 m and on 1M random voxels in a 400^3 box:
 the Map step (``assume_sorted=True``, as a layer calls it, and the default call
 on sorted input) beside spconv's ``get_indice_pairs`` (subm), and a C -> C
-layer (``--channels``, default 64; ``--dtype``, default fp32; Map + GMaS with
+layer (``--channels``, default 64, ``--cout``; ``--dtype``, default fp32; Map + GMaS with
 the tiles ``--tiles``) beside spconv's ``SubMConv3d`` (Native and
 MaskImplicitGemm, fresh indices so its pairs are rebuilt). Never runs in CI.
 """
@@ -38,20 +38,21 @@ from _record import recorded  # noqa: E402
 from bench_conv import kitti_coords, random_coords  # noqa: E402
 
 
-def ours(pkg, coords, ch, dtype=np.float32, tiles=(8, 8)):
+def ours(pkg, coords, ch, dtype=np.float32, tiles=(8, 8), cout=None):
     import cupy
 
     rng = np.random.default_rng(0)
     x = pkg.SparseTensor(cupy.asarray(coords), cupy.asarray(rng.standard_normal((len(coords), ch)).astype(dtype)))
-    w = cupy.asarray((rng.standard_normal((27, ch, ch)) / np.sqrt(ch)).astype(dtype))
+    cout = cout or ch
+    w = cupy.asarray((rng.standard_normal((27, ch, cout)) / np.sqrt(ch)).astype(dtype))
     return {
         "map": lambda: pkg.build_kernel_map(x.coords, 3, assume_sorted=True),
         "map default": lambda: pkg.build_kernel_map(x.coords, 3),
-        f"layer {ch}": lambda: pkg.sparse_conv3d(x, w, 3, tile_size=tiles),
+        f"layer {ch}->{cout}": lambda: pkg.sparse_conv3d(x, w, 3, tile_size=tiles),
     }
 
 
-def spconv_calls(coords, ch, dtype=np.float32):
+def spconv_calls(coords, ch, dtype=np.float32, cout=None):
     import spconv.pytorch as spconv
     import torch
     from spconv.core import ConvAlgo
@@ -65,7 +66,8 @@ def spconv_calls(coords, ch, dtype=np.float32):
     calls = {("map", "spconv"): lambda: ops.get_indice_pairs(ind, 1, shape, ConvAlgo.Native, [3, 3, 3], [1, 1, 1],
                                                  [1, 1, 1], [1, 1, 1], [0, 0, 0], subm=True)}
     for algo in ("Native", "MaskImplicitGemm"):
-        conv = spconv.SubMConv3d(ch, ch, 3, bias=False, indice_key="ab",
+        cout = cout or ch
+        conv = spconv.SubMConv3d(ch, cout, 3, bias=False, indice_key="ab",
                                  algo=getattr(ConvAlgo, algo)).to(dev).eval()
         if np.dtype(dtype) == np.float16:
             conv = conv.half()
@@ -73,7 +75,7 @@ def spconv_calls(coords, ch, dtype=np.float32):
         def layer(conv=conv):
             with torch.no_grad():
                 return conv(spconv.SparseConvTensor(feats, ind, shape, 1))
-        calls[(f"layer {ch}", f"spconv {algo}")] = layer
+        calls[(f"layer {ch}->{cout}", f"spconv {algo}")] = layer
     return calls
 
 
@@ -109,6 +111,7 @@ def main():
     ap.add_argument("--block", type=int, default=4, help="calls per contender and round, after one not kept")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--channels", type=int, default=64)
+    ap.add_argument("--cout", type=int, default=None, help="output channels of the layer (default: --channels)")
     ap.add_argument("--dtype", default="float32", help="features and weights: float32 or float16")
     ap.add_argument("--tiles", default="8,8", help="gather,scatter tile sizes of our layers")
     ap.add_argument("--clouds", default="kitti,random1M")
@@ -129,10 +132,10 @@ def main():
         coords = makers[cname]()
         contenders = {}
         for pname, pkg in packages.items():
-            for wname, fn in ours(pkg, coords, args.channels, np.dtype(args.dtype), tiles).items():
+            for wname, fn in ours(pkg, coords, args.channels, np.dtype(args.dtype), tiles, args.cout).items():
                 contenders[(wname, pname)] = fn
         try:
-            contenders.update(spconv_calls(coords, args.channels, np.dtype(args.dtype)))
+            contenders.update(spconv_calls(coords, args.channels, np.dtype(args.dtype), args.cout))
         except Exception as e:  # noqa: BLE001 - a missing peer: compare the two versions only
             print(f"spconv not run: {type(e).__name__}: {e}")
         contenders = {key: fn for key, fn in contenders.items() if key[0].startswith(args.only)}
