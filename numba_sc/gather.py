@@ -45,7 +45,7 @@ rows of the output buffer, which the scatter never reads.
 
 A gather only moves bytes, so the kernel does not need to know what a channel
 is: when a tile's bytes are a whole number of 8-byte (or 4-byte) words, the
-features and the buffer are handed to it as arrays of unsigned words and each
+features and the buffer are handed to it as arrays of integer words and each
 thread moves ``T * itemsize / 8`` words instead of T channels (a fp16 tile of 8
 channels is two 64-bit loads and two stores per row instead of eight of each).
 The threads, and what each one covers, stay the same; only the instruction

@@ -590,8 +590,9 @@ def lists_kernel(K: int, threads: int):
     points (124M warp instructions) had three kinds of overhead on top of the
     work: a 64-bit division of the block index by a run-time K (7 %), another by
     the run-time block size in the share loop (3 %), and, on every table, mask and
-    slot access, the few instructions Numba adds to wrap a negative *signed*
-    index around (about half of the two table walks). With K, the block size and
+    slot access, 64-bit index arithmetic including the few instructions Numba
+    adds to wrap a negative *signed* index around (~12 instructions per table
+    entry in the two table walks). With K, the block size and
     the chunk compile-time constants and every index unsigned (NumPy unsigned
     constants keep Numba's arithmetic unsigned: a signed-unsigned mix would be
     float64), each of those is gone. Why not one thread adding up the block's

@@ -28,6 +28,8 @@ instruction or none; ``float2half_rn`` / ``float_as_int`` going back). Numba's
 CUDA simulator has no libdevice (its functions are stubs there), so under the
 simulator the same four helpers are NumPy views of one scalar. That is the only
 place where the simulated kernels differ from the compiled ones.
+:func:`unpack_reference` and :func:`pack_reference` are the NumPy versions of a
+lane and a packed word: views of the same bytes, which the tests compare with.
 
 Worked example, one fp16 word holding channels ``[1.0, -2.0, 0.5, 0.0]``::
 
@@ -71,6 +73,22 @@ def row_words(itemsize: int, tile: int, channels: int):
 def lanes(word, itemsize: int) -> int:
     """Channels per word (1 when ``word`` is None: the arrays are read channel by channel)."""
     return 1 if word is None else np.dtype(word).itemsize // itemsize
+
+
+# ------------------------------------------------------------------ reference
+def unpack_reference(words, itemsize: int):
+    """NumPy version of :func:`lane_codec`'s ``lane``: every channel of an array of
+    words (int64 or int32), as float32, lane 0 first. The same bytes seen as
+    channels (``view``): what the kernel does one shift and mask at a time."""
+    words = np.ascontiguousarray(words)
+    return words.view(np.float16 if itemsize == 2 else np.float32).astype(np.float32)
+
+
+def pack_reference(values, word, itemsize: int):
+    """NumPy version of :func:`lane_codec`'s ``packed``: float32 channels rounded to
+    fp16 or fp32 (to nearest even), then seen as words of type ``word``."""
+    channels = np.asarray(values, dtype=np.float32).astype(np.float16 if itemsize == 2 else np.float32)
+    return np.ascontiguousarray(channels).view(word)
 
 
 # ------------------------------------------------- bit reinterpretation (scalars)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from numba_sc.backend import simulating
-from numba_sc.words import lane_codec, lanes, row_words, word_view
+from numba_sc.words import lane_codec, lanes, pack_reference, row_words, unpack_reference, word_view
 
 
 def test_word_view_picks_the_widest_word():
@@ -26,6 +26,7 @@ def test_lanes_of_the_docstring_example_and_round_trips():
     lane, packed = lane_codec(np.int64, 2)
     word = np.int64(0x0000_3800_C000_3C00)
     assert [float(lane(word, np.uint64(m))) for m in range(4)] == [1.0, -2.0, 0.5, 0.0]
+    assert unpack_reference(np.array([word]), 2).tolist() == [1.0, -2.0, 0.5, 0.0]
     rng = np.random.default_rng(0)
     for word_t, item, dt in ((np.int64, 2, np.float16), (np.int32, 2, np.float16),
                              (np.int64, 4, np.float32), (np.int32, 4, np.float32)):
@@ -34,7 +35,10 @@ def test_lanes_of_the_docstring_example_and_round_trips():
         vals = np.concatenate([rng.standard_normal(n - 1) * 100, [-6e-8]]).astype(np.float32)
         w = packed(vals, np.uint64(0))
         assert np.asarray(w).dtype == word_t
-        want = vals.astype(dt)  # packing rounds to the channels' dtype (nearest even)
+        want = pack_reference(vals, word_t, item)  # rounded to the channels' dtype (nearest even)
+        assert want.shape == (1,) and want.dtype == word_t
         assert np.asarray(w).tobytes() == want.tobytes()  # lane 0 is the lowest address
+        assert np.asarray(w).tobytes() == vals.astype(dt).tobytes()  # ... and the reference is NumPy's bytes
         got = np.array([lane(w, np.uint64(m)) for m in range(n)], dtype=np.float32)
-        np.testing.assert_array_equal(got, want.astype(np.float32))
+        np.testing.assert_array_equal(got, unpack_reference(want, item))
+        np.testing.assert_array_equal(got, vals.astype(dt).astype(np.float32))
