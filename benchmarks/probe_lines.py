@@ -142,7 +142,7 @@ def main():
                     (conv_mod, "build_plan"), (conv_mod, "gmas"), (conv_mod, "resolve_tiles")]
         targets += [(metadata, n) for n in ("_layout", "_device_layout")]
         targets += [(m, "launch") for m in (metadata, forward_search, backward_search, gather, scatter, gemm_grouping)]
-        targets += [(gemm_grouping, n) for n in ("take_weights_cuda", "_device_order", "_stream_pool")]
+        targets += [(gemm_grouping, n) for n in ("take_weights_cuda", "_device_order", "_stream_pool", "_gpu")]
         targets += [(conv_mod.gg, n) for n in ("centre_product_cuda", "grouped_gemm_cuda")]
         targets += [(conv_mod, n) for n in ("gather_cuda", "scatter_cuda")]
         for label, fn in work.items():

@@ -315,12 +315,17 @@ _EXTERNAL_STREAMS = {}
 def _current_stream_ptr() -> int:
     """The raw handle of CuPy's current stream (0: the legacy default stream, which is
     also Numba's stream 0). Kernels run there to stay ordered with the CuPy work
-    around them: CuPy enqueues on its *current* stream, which the caller may change."""
-    if simulating():
-        return 0
-    import cupy
+    around them: CuPy enqueues on its *current* stream, which the caller may change.
+    GPU only (the simulator has no streams); asked at every launch, so CuPy's
+    function is looked up once."""
+    if not _GET_STREAM:
+        import cupy
 
-    return cupy.cuda.get_current_stream().ptr
+        _GET_STREAM.append(cupy.cuda.get_current_stream)
+    return _GET_STREAM[0]().ptr
+
+
+_GET_STREAM = []
 
 
 def _numba_stream(ptr):
@@ -347,9 +352,12 @@ def launch(kernel, n: int, *args, threads: int = THREADS, blocks: int | None = N
     if n <= 0:
         return
     grid = blocks if blocks is not None else blocks_for(n, threads)
-    ptr = _current_stream_ptr()
-    if not simulating() and _FAST.launch(kernel, grid, threads, ptr, args):
-        return
+    if simulating():
+        ptr = 0
+    else:
+        ptr = _current_stream_ptr()
+        if _FAST.launch(kernel, grid, threads, ptr, args):
+            return
     stream = _numba_stream(ptr)
     # By default Numba *synchronizes the host* with the stream a CuPy argument
     # advertises (``__cuda_array_interface__["stream"]``) before every launch, so
@@ -414,6 +422,7 @@ class FastLauncher:
         self._streams = {}
         self._configs = {}  # (grid, threads) -> LaunchConfig, made once
         self._array_types = set()  # CuPy's ndarray class, once seen
+        self._cupy_type = None  # ... and the same class, for launch's one-pass path
         self.raw = True  # the driver path where it applies (see the class docstring)
 
     def _key(self, args):
@@ -425,6 +434,8 @@ class FastLauncher:
                 key.append(a.sig)
             elif t in self._array_types or t.__module__.startswith("cupy"):
                 self._array_types.add(t)
+                if t.__name__ == "ndarray" and hasattr(a, "_c_contiguous"):
+                    self._cupy_type = t  # launch's one-pass path knows it from now on
                 contiguous = getattr(a, "_c_contiguous", None)  # CuPy's own flag: no Flags object
                 if contiguous is None:
                     contiguous = a.flags.c_contiguous
@@ -488,6 +499,37 @@ class FastLauncher:
     def launch(self, kernel, grid, threads, stream_ptr, args) -> bool:
         """Launch on the stream with raw handle ``stream_ptr``; False when this
         signature has not been learned (the caller takes the dispatcher path)."""
+        # One pass makes both the signature key and, for the driver path, the
+        # parameter fields: a CuPy array or a piece gives its array struct, an
+        # integer or boolean scalar goes as it is into its 8-byte slot.
+        key, flat = [], []
+        cupy_type = self._cupy_type
+        for a in args:
+            t = type(a)
+            if t is Piece:
+                key.append(a.sig)
+                flat += a.flat
+            elif t is cupy_type:
+                key.append((a.dtype.char, a.ndim, a._c_contiguous))
+                flat += (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
+            elif t is int or t is bool:
+                key.append(t)
+                flat.append(a)
+            else:
+                return self._launch_typed(kernel, grid, threads, stream_ptr, args)
+        entry = self._compiled.get((kernel, tuple(key)))
+        if entry is None:
+            return False
+        raw = entry[2]
+        if raw is None or not self.raw:
+            return self._launch_typed(kernel, grid, threads, stream_ptr, args)
+        raw.launch(flat, grid, threads, stream_ptr)
+        return True
+
+    def _launch_typed(self, kernel, grid, threads, stream_ptr, args) -> bool:
+        """:meth:`launch` for the rarer arguments (NumPy scalars, floats, array kinds
+        seen for the first time) and kernels with a float parameter: the general
+        key, and ``cuda.core.launch`` unless every field is an integer."""
         key = self._key(args)
         entry = self._compiled.get((kernel, key)) if key is not None else None
         if entry is None:

@@ -49,6 +49,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from .backend import launch
+
 # ---------------------------------------------------------------- key layout
 COORD_BITS = 18
 BATCH_BITS = 9
@@ -301,8 +303,6 @@ def pack_kernel(coords, s, rlx, rly, rlz, rhx, rhy, rhz, keys, flags):
 
 def launch_pack(coords, reach_lo, reach_hi, keys, flags):
     """Launch :func:`pack_kernel` on validated device coordinates; reads nothing back."""
-    from .backend import launch
-
     rl = [int(v) for v in reach_lo]
     rh = [int(v) for v in reach_hi]
     launch(pack_kernel, coords.shape[0], coords, coords.shape[1] - 3, *rl, *rh, keys, flags)

@@ -45,6 +45,7 @@ traffic and flops; the grouping itself is a sort of K numbers on the host.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,11 +77,21 @@ def offset_order(counts, sort=True, skip=None) -> np.ndarray:
     """The order offsets are laid out in: by non-decreasing pair count (stable, so
     ties keep the map's order) when ``sort``, else the map's own order. Offsets
     with no pair, and ``skip`` (the submanifold centre), are left out."""
-    c = np.asarray(counts, dtype=np.int64).tolist()  # K Python ints: a list beats NumPy calls here
-    ks = [k for k in range(len(c)) if c[k] > 0 and k != skip]
+    return np.array(_order(_ints(counts), sort, skip), dtype=np.int64)
+
+
+def _ints(values) -> list:
+    """K numbers as a list of Python ints: the grouping loops over a few dozen
+    numbers, where a list beats NumPy calls (each costs a microsecond or more)."""
+    return values if type(values) is list else np.asarray(values, dtype=np.int64).tolist()
+
+
+def _order(c: list, sort: bool, skip) -> list:
+    """:func:`offset_order` on a list of ints, as a list."""
+    ks = [k for k, n in enumerate(c) if n > 0 and k != skip]
     if sort:
         ks.sort(key=c.__getitem__)  # Python's sort is stable: ties keep the map's order
-    return np.array(ks, dtype=np.int64)
+    return ks
 
 
 def make_groups(counts, order, max_padding=DEFAULT_MAX_PADDING,
@@ -92,22 +103,23 @@ def make_groups(counts, order, max_padding=DEFAULT_MAX_PADDING,
     """
     if max_padding < 0:
         raise ValueError(f"max_padding must be >= 0 (a fraction of real rows), got {max_padding}")
-    counts = np.asarray(counts, dtype=np.int64).tolist()  # Python ints: a fast loop
+    counts = _ints(counts)
     groups, start = [], 0
     members, real, tallest = [], 0, 0
-    for k in np.asarray(order).tolist():
+    for k in _ints(order):
         c = counts[k]
         if members:
-            t = max(tallest, c)
-            padded = t * (len(members) + 1)
-            fits = padded - (real + c) <= max_padding * (real + c)
-            if fits and t < solo_rows:
-                members.append(int(k))
-                real, tallest = real + c, t
+            t = tallest if tallest > c else c
+            grown = real + c
+            # Extend while the padding stays within the budget and the group is not
+            # already tall enough to fill the GPU alone.
+            if t * (len(members) + 1) - grown <= max_padding * grown and t < solo_rows:
+                members.append(k)
+                real, tallest = grown, t
                 continue
             groups.append(Group(tuple(members), tallest, start))
             start += tallest * len(members)
-        members, real, tallest = [int(k)], c, c
+        members, real, tallest = [k], c, c
     if members:
         groups.append(Group(tuple(members), tallest, start))
     return groups
@@ -158,19 +170,48 @@ def grouped_gemm_reference(in_buf, weight, groups, out_buf):
     return out_buf
 
 
-_POOLS = {}  # device id -> (the pool's streams, its reusable events)
+# ---------------------------------------------------------------- on the GPU
+# Everything below runs once or more per layer, between kernels the GPU finishes
+# faster than the host issues them (SemanticKITTI at 0.05 m): each microsecond of
+# Python here is a microsecond of layer time, so the modules are imported once
+# (an ``import`` statement inside a function costs ~1 us per call) and the pool's
+# streams and events are made once.
+_GPU = []  # [cupy, CuPy's cuBLAS module], filled on first use
 
 
-def _stream_pool():
-    """This device's pool: STREAM_POOL streams and the events reused with them
-    (streams and events belong to the device they were made on)."""
-    import cupy
+def _gpu():
+    """``(cupy, cublas)``, imported on first use (the reference and the simulator
+    never need them)."""
+    if not _GPU:
+        import cupy
+        from cupy_backends.cuda.libs import cublas
 
+        _GPU[:] = [cupy, cublas]
+    return _GPU
+
+
+_POOLS = {}  # device id -> (the pool's side streams, its reusable events)
+
+
+class _PoolEvents:
+    """Events reused from call to call (creating one costs host time): one that marks
+    the caller's work before the GEMMs, and one per side stream marking its end."""
+
+    def __init__(self, cupy):
+        self.ready = cupy.cuda.Event(disable_timing=True)
+        self.done = [cupy.cuda.Event(disable_timing=True) for _ in range(STREAM_POOL - 1)]
+
+
+def _stream_pool(cupy):
+    """This device's side streams (STREAM_POOL - 1 of them: the caller's own stream is
+    the pool's first) and the events reused with them (streams and events belong
+    to the device they were made on)."""
     device = cupy.cuda.runtime.getDevice()
-    if device not in _POOLS:
-        _POOLS[device] = ([cupy.cuda.Stream(non_blocking=True) for _ in range(STREAM_POOL)],
-                          _PoolEvents())
-    return _POOLS[device]
+    pool = _POOLS.get(device)
+    if pool is None:
+        pool = _POOLS[device] = ([cupy.cuda.Stream(non_blocking=True) for _ in range(STREAM_POOL - 1)],
+                                 _PoolEvents(cupy))
+    return pool
 
 
 # cuBLAS is called directly rather than through ``cupy.matmul``: on the H100 a
@@ -187,45 +228,35 @@ _ZERO = np.zeros(1, np.float32)
 _ONE_PTR, _ZERO_PTR = _ONE.ctypes.data, _ZERO.ctypes.data  # (.ctypes builds an object per call)
 
 
-def _cublas():
-    """CuPy's cuBLAS module and this thread's handle for the current device."""
-    import cupy
-    from cupy_backends.cuda.libs import cublas
-
-    return cublas, cupy.cuda.device.get_cublas_handle()
-
-
 def centre_product_cuda(features, weight, centre):
     """``features @ weight[centre]`` as one cuBLAS call (the submanifold centre)."""
     if simulating():
         return matmul(features, weight[centre])
-    import cupy
-
-    cublas, handle = _cublas()
+    cupy, cublas = _gpu()
     n, c_in = features.shape
     c_out = weight.shape[2]
     out = cupy.empty((n, c_out), dtype=features.dtype)
-    t = _CUDA_TYPE[np.dtype(features.dtype)]
+    t = _CUDA_TYPE[features.dtype]
     w = weight.data.ptr + centre * c_in * c_out * weight.itemsize
-    cublas.gemmEx(handle, 0, 0, c_out, n, c_in, _ONE_PTR, w, t, c_out,
-                  features.data.ptr, t, c_in, _ZERO_PTR, out.data.ptr, t, c_out,
-                  _COMPUTE_32F, _GEMM_DEFAULT)
+    cublas.gemmEx(cupy.cuda.device.get_cublas_handle(), 0, 0, c_out, n, c_in, _ONE_PTR, w, t, c_out,
+                  features.data.ptr, t, c_in, _ZERO_PTR, out.data.ptr, t, c_out, _COMPUTE_32F, _GEMM_DEFAULT)
     return out
 
 
 _ORDER_CACHE = {}
 
 
-def _device_order(members):
-    """The group-order offset indices as a device array, copied there once per order."""
-    import cupy
-
+def _device_order(groups, cupy):
+    """The offsets of ``groups``, in buffer order, as a device array: copied there
+    once per grouping (a layer sees the same few groupings call after call)."""
+    members = tuple(g.members for g in groups)
     key = (members, cupy.cuda.runtime.getDevice())
-    if key not in _ORDER_CACHE:
+    order = _ORDER_CACHE.get(key)
+    if order is None:
         if len(_ORDER_CACHE) > 256:
             _ORDER_CACHE.clear()
-        _ORDER_CACHE[key] = cupy.asarray(np.array(members, dtype=np.int64))
-    return _ORDER_CACHE[key]
+        order = _ORDER_CACHE[key] = cupy.asarray(np.array([k for m in members for k in m], dtype=np.int64))
+    return order
 
 
 def take_weights_reference(weight, order):
@@ -235,13 +266,17 @@ def take_weights_reference(weight, order):
 
 @cuda.jit
 def take_weights_kernel(weight, order, out):
-    """``out[g] = weight[order[g]]``, one thread per value; ``weight`` and ``out`` are
-    viewed as (offsets, C_in * C_out) so that neighbouring threads copy neighbours."""
+    """``out[g] = weight[order[g]]``, one thread per value, in memory order: neighbouring
+    threads copy neighbouring values of one matrix."""
     t = cuda.grid(1)
-    per = weight.shape[1]
+    c_out = weight.shape[2]
+    per = weight.shape[1] * c_out
     if t < order.shape[0] * per:
         g = t // per
-        out[g, t - g * per] = weight[order[g], t - g * per]
+        r = t - g * per
+        i = r // c_out
+        j = r - i * c_out
+        out[g, i, j] = weight[order[g], i, j]
 
 
 def take_weights_cuda(weight, order):
@@ -249,31 +284,21 @@ def take_weights_cuda(weight, order):
     the fast path, where ``cupy.take`` cost ~55 us of host time in a layer on the
     H100 (``benchmarks/probe_timeline.py``)."""
     K, c_in, c_out = weight.shape
-    out = device_xp().empty((order.shape[0], c_in, c_out), dtype=weight.dtype)
-    launch(take_weights_kernel, order.shape[0] * c_in * c_out, weight.reshape(K, c_in * c_out), order,
-           out.reshape(order.shape[0], c_in * c_out))
+    n = order.shape[0]
+    out = device_xp().empty((n, c_in, c_out), dtype=weight.dtype)
+    launch(take_weights_kernel, n * c_in * c_out, weight, order, out)
     return out
-
-
-class _PoolEvents:
-    """Events reused from call to call (creating one costs host time): one that marks
-    the caller's work before the GEMMs, and one per pool stream marking its end."""
-
-    def __init__(self):
-        import cupy
-
-        self.ready = cupy.cuda.Event(disable_timing=True)
-        self.done = [cupy.cuda.Event(disable_timing=True) for _ in range(STREAM_POOL)]
 
 
 def grouped_gemm_cuda(in_buf, weight, groups, out_buf, streams=STREAM_POOL):
     """One batched cuBLAS GEMM per group, round-robin on a pool of ``streams`` streams.
 
     ``weight`` is on the device. Under the simulator there are no streams: this
-    falls back to the reference. The pool waits for the work queued before it
-    (the gather) through an event, and the caller's stream waits for every pool
-    stream before the scatter, so no host synchronisation is needed.
-    ``streams=1`` issues every GEMM on the caller's stream (no events at all).
+    falls back to the reference. The pool's first stream is the caller's own;
+    the others wait for the work queued before the GEMMs (the gather) through an
+    event, and the caller's stream waits for each of them before the scatter, so
+    no host synchronisation is needed. ``streams=1`` issues every GEMM on the
+    caller's stream (no events at all).
 
     A strided batched GEMM wants the weights of a group's members equally spaced
     in memory, so the weights are first gathered into group order
@@ -281,35 +306,38 @@ def grouped_gemm_cuda(in_buf, weight, groups, out_buf, streams=STREAM_POOL):
     """
     if simulating():
         return grouped_gemm_reference(in_buf, weight, groups, out_buf)
-    import cupy
-
     if not groups:
         return out_buf
-    cublas, handle = _cublas()
+    cupy, cublas = _gpu()
+    handle = cupy.cuda.device.get_cublas_handle()
     c_in, c_out, item = weight.shape[1], weight.shape[2], weight.itemsize
-    t = _CUDA_TYPE[np.dtype(weight.dtype)]
-    w_sorted = take_weights_cuda(weight, _device_order(tuple(k for g in groups for k in g.members)))
+    t = _CUDA_TYPE[weight.dtype]
+    w_ptr = take_weights_cuda(weight, _device_order(groups, cupy)).data.ptr
+    a_ptr, c_ptr, w_step = in_buf.data.ptr, out_buf.data.ptr, c_in * c_out
     caller = cupy.cuda.get_current_stream()
-    streams_of_device, events = _stream_pool()
-    pool = streams_of_device[:max(1, min(int(streams), STREAM_POOL))]
-    if len(groups) == 1 or len(pool) == 1:
-        pool = [caller]  # one stream: everything stays on the caller's, no events
-    if pool[0] is not caller:
+    n_streams = max(1, min(int(streams), STREAM_POOL, len(groups)))
+    side, events = _stream_pool(cupy) if n_streams > 1 else ((), None)
+    pool = [caller, *side[:n_streams - 1]]
+    if n_streams > 1:
         caller.record(events.ready)
+        for s in pool[1:]:
+            s.wait_event(events.ready)
     pos = 0
     for i, g in enumerate(groups):
-        s = pool[i % len(pool)]
-        if s is not caller and i < len(pool):
-            s.wait_event(events.ready)
-        with s:  # CuPy's cuBLAS wrappers bind the handle to the current stream
+        s = pool[i % n_streams]
+        # CuPy's cuBLAS wrappers bind the handle to the *current* stream: only a side
+        # stream needs to be made current.
+        with (s if s is not caller else _SAME):
             cublas.gemmStridedBatchedEx(
                 handle, 0, 0, c_out, g.rows, c_in, _ONE_PTR,
-                w_sorted.data.ptr + pos * c_in * c_out * item, t, c_out, c_in * c_out,
-                in_buf.data.ptr + g.start * c_in * item, t, c_in, g.rows * c_in,
-                _ZERO_PTR, out_buf.data.ptr + g.start * c_out * item, t, c_out, g.rows * c_out,
+                w_ptr + pos * w_step * item, t, c_out, w_step,
+                a_ptr + g.start * c_in * item, t, c_in, g.rows * c_in,
+                _ZERO_PTR, c_ptr + g.start * c_out * item, t, c_out, g.rows * c_out,
                 len(g.members), _COMPUTE_32F, _GEMM_DEFAULT)
         pos += len(g.members)
-    for s, done in zip(pool[:len(groups)], events.done):
-        if s is not caller:
-            caller.wait_event(s.record(done))
+    for s, done in zip(pool[1:], events.done if events else ()):
+        caller.wait_event(s.record(done))
     return out_buf
+
+
+_SAME = nullcontext()  # reusable: "no stream switch" for the caller's own stream

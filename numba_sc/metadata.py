@@ -333,18 +333,27 @@ def grouping_report(kernel_map, max_padding=gg.DEFAULT_MAX_PADDING,
 
 
 def _layout(kernel_map, sort, max_padding, solo_rows, direct_centre):
-    """Host part: counts -> order, groups, base rows."""
+    """Host part: counts -> order, groups, base rows.
+
+    Plain Python on lists of K ints: every layer runs it between the Map step's
+    read and its next launch, while the GPU waits, and on K = 27 numbers a list
+    beats NumPy calls.
+    """
     counts = _host_counts(kernel_map)  # read with the Map step's report: no device read here
     centre = submanifold_centre(kernel_map, counts) if direct_centre else -1
-    order = gg.offset_order(counts, sort, centre)
-    groups = gg.make_groups(counts, order, max_padding, solo_rows)
-    base = [-1] * len(counts)  # a Python list while it is filled (NumPy item writes cost more)
+    c = counts.tolist()
+    order = gg._order(c, sort, centre)
+    groups = gg.make_groups(c, order, max_padding, solo_rows)
+    base = [-1] * len(c)
     for g in groups:
-        for m, k in enumerate(g.members):
-            base[k] = g.start + m * g.rows
-    base = np.array(base, dtype=np.int64)
-    rows = sum(g.padded_rows for g in groups)
-    return counts, order, groups, base, rows, centre, (max_padding, solo_rows)
+        row = g.start
+        for k in g.members:
+            base[k] = row
+            row += g.rows
+    last = groups[-1] if groups else None
+    rows = last.start + last.padded_rows if last else 0  # groups lie back to back
+    return (counts, np.array(order, dtype=np.int64), groups, np.array(base, dtype=np.int64), rows,
+            centre, (max_padding, solo_rows))
 
 
 def _device_layout(base):
