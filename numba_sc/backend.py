@@ -235,19 +235,50 @@ class Piece:
         Through a pinned host buffer kept per thread: the Map step ends with one
         such read, and a copy from pinned memory skips the driver's staging of
         pageable memory (and the CuPy array ``as_cupy`` would make)."""
+        return self._read("buf")()
+
+    def get_async(self):
+        """:meth:`get` in two halves: queue the copy now, return a function that waits
+        for it and returns the contents. GPU work queued in between runs after
+        the copy, and the host need not wait for it. One such read in flight per
+        thread (it has its own pinned buffer, which the next one reuses)."""
+        return self._read("async_buf")
+
+    def _read(self, slot):
         import cupy
 
         nbytes = self.size * self.itemsize
-        staging = getattr(_READS, "buf", None)
-        if staging is None or staging.nbytes < nbytes:
+        # One buffer and event per thread, slot and device (an event belongs to a device)
+        key = (slot, cupy.cuda.runtime.getDevice())
+        staging = _READS.__dict__.get(key)
+        if staging is None or staging[0].nbytes < nbytes:
             import cupyx
 
-            staging = _READS.buf = cupyx.empty_pinned(max(nbytes, 4096), np.uint8)
-            _READS.ptr = staging.ctypes.data  # (.ctypes builds an object per call)
+            buf = cupyx.empty_pinned(max(nbytes, 4096), np.uint8)
+            # (.ctypes builds an object per call: the address is kept)
+            staging = _READS.__dict__[key] = (buf, buf.ctypes.data, cupy.cuda.Event(disable_timing=True))
+        buf, address, done = staging
         stream = cupy.cuda.get_current_stream()
-        cupy.cuda.runtime.memcpyAsync(_READS.ptr, self.ptr, nbytes, 2, stream.ptr)  # 2: device to host
-        stream.synchronize()
-        return staging[:nbytes].view(self.dtype).reshape(self.shape).copy()  # the buffer is reused: copy out
+        cupy.cuda.runtime.memcpyAsync(address, self.ptr, nbytes, 2, stream.ptr)  # 2: device to host
+        done.record(stream)
+        dtype, shape = self.dtype, self.shape
+
+        def wait():
+            done.synchronize()
+            return buf[:nbytes].view(dtype).reshape(shape).copy()  # the buffer is reused: copy out
+        return wait
+
+
+def read_later(a):
+    """Start reading ``a`` to the host; return a function that finishes the read.
+
+    For a :class:`Piece` the copy is queued at once (:meth:`Piece.get_async`), so
+    the host can queue more work for the GPU before it waits; anything else is
+    read when the function is called.
+    """
+    if type(a) is Piece:
+        return a.get_async()
+    return lambda: to_host(a)
 
 
 class _NoBase:
@@ -292,7 +323,7 @@ def piece(base, offset, shape, dtype):
 
 
 _DTYPES = {}
-_READS = threading.local()  # .buf: this thread's pinned staging buffer for Piece.get
+_READS = threading.local()  # (slot, device) -> this thread's pinned buffer, its address and event
 
 
 def like(a, template):

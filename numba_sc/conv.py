@@ -60,8 +60,8 @@ from . import gemm_grouping as gg
 from .autotune import cached, heuristic_tile, layer_key
 from .backend import device_xp, is_cupy, like, resolve_backend, to_device, to_host
 from .gather import check_tile, gather_cuda, gather_reference
-from .kernel_map import build_kernel_map
-from .metadata import build_plan, submanifold_centre
+from .kernel_map import _layer as _layer_args, build_kernel_map
+from .metadata import build_plan, centre_offset, submanifold_centre
 from .scatter import scatter_cuda, scatter_reference
 
 FEATURE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
@@ -155,10 +155,10 @@ class SparseTensor:
 
 
 # ------------------------------------------------------------- argument checks
-def _check_weight(weight, K, c_in, dtype, kernel_map):
+def _check_weight(weight, K, c_in, dtype, kernel_size):
     if not hasattr(weight, "shape") or not hasattr(weight, "dtype"):
         raise TypeError(f"weight must be a NumPy or CuPy array, got {type(weight).__name__}")
-    ks = tuple(kernel_map.kernel_size)
+    ks = tuple(kernel_size)
     if weight.ndim != 3 or weight.shape[0] != K or weight.shape[1] != c_in:
         raise ValueError(
             f"weight must have shape (K, C_in, C_out) = ({K}, {c_in}, C_out) for kernel_size "
@@ -226,10 +226,17 @@ def _prepare_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_
     return f, w, km, build_plan(km, sort, max_padding, solo_rows, backend=backend)
 
 
-def _map_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map, backend):
-    """:func:`_prepare_layer` up to the metadata: ``(features, weight, km)``."""
+def _map_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map, backend,
+               while_reading=None):
+    """:func:`_prepare_layer` up to the metadata: ``(features, weight, km)``.
+
+    ``while_reading(m, features, weight)``: see ``build_kernel_map``'s
+    ``while_reading``; called only when this layer builds its own map (and only
+    on the kernel path), after the weight has been checked.
+    """
     if not isinstance(x, SparseTensor):
         raise TypeError(f"x must be a numba_sc.SparseTensor, got {type(x).__name__}")
+    move = to_host if backend == "reference" else to_device
     if transposed:
         if kernel_map is None:
             raise ValueError(
@@ -239,16 +246,21 @@ def _map_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map,
         _check_map_fits(x, kernel_map, True)
         km = kernel_map.transposed()
     elif kernel_map is None:
+        # The weight is checked before the Map step, so that work queued during
+        # the step's read (while_reading) only ever sees a weight of the right shape.
+        ks, *_, offsets, _ = _layer_args(kernel_size, stride, dilation, x.stride)
+        _check_weight(weight, len(offsets), x.channels, x.features.dtype, ks)
+        f, w = move(x.features), move(weight)
+        hook = None if while_reading is None else (lambda m: while_reading(m, f, w))
         # x.coords are sorted and unique, so km.in_coords == x.coords and
         # km.in_order is the identity: x.features are already in the map's order.
         km = build_kernel_map(x.coords, kernel_size, stride, dilation, tensor_stride=x.stride,
-                              backend=backend, assume_sorted=True, masks=True)
+                              backend=backend, assume_sorted=True, masks=True, while_reading=hook)
+        return f, w, km
     else:
         _check_map_fits(x, kernel_map, False)
         km = kernel_map
-    K = len(km.offsets)
-    _check_weight(weight, K, x.channels, x.features.dtype, km)
-    move = to_host if backend == "reference" else to_device
+    _check_weight(weight, len(km.offsets), x.channels, x.features.dtype, km.kernel_size)
     f, w = move(x.features), move(weight)
     if transposed:
         # The transposed map lists offsets reversed (T.offsets = -offsets[::-1]):
@@ -317,17 +329,29 @@ def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=Fal
     tensor stride, its ``kernel_map`` set to the map used.
     """
     bk = resolve_backend(backend)
-    f, w, km = _map_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map, bk)
+    queued = []  # (centre, product) when queued during the Map step's read
+
+    def queue_centre(m, f, w):
+        # The submanifold centre product needs the map's coordinates but neither
+        # its counts nor the metadata. Queued while the Map step's report is on
+        # its way to the host, it runs on the GPU right after the search, and
+        # the host spends the time it would have waited for the search issuing
+        # it. (A submanifold map is one whose outputs are its inputs; its centre
+        # is checked against the counts below, after the read.)
+        c = centre_offset(m) if m.out_coords is m.in_coords else -1
+        if c >= 0:
+            queued.append((c, gg.centre_product_cuda(f, w, c)))
+
+    f, w, km = _map_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map, bk,
+                          queue_centre if bk == "cuda" else None)
     init = None
     if bk == "cuda":
-        # The Map step has just ended with its one device->host read, which leaves
-        # the GPU with nothing queued. The submanifold centre product needs no
-        # metadata: queued first, it keeps the GPU busy while the host works out
-        # the buffer layout (~80 us of Python on the GPU machine before the next
-        # kernel; the product takes 30-900 us). Same stream, same calls: only the
-        # order changes.
         centre = submanifold_centre(km)
-        if centre >= 0:
+        if queued and queued[0][0] == centre:
+            init = queued[0][1]
+        elif centre >= 0:
+            # A given map: queued now, before the metadata, which keeps the GPU busy
+            # while the host works out the buffer layout (~80 us of Python).
             init = gg.centre_product_cuda(f, w, centre)
     plan = build_plan(km, sort_offsets, max_padding, solo_rows, backend=bk)
     n_out = plan.n_out

@@ -72,7 +72,7 @@ import numpy as np
 
 from . import conventions as cv
 from .backend import (as_array, device_xp, filled, is_cupy, like, piece, piece_template, resolve_backend, simulating,
-                      to_device, to_host)
+                      read_later, to_device, to_host)
 from .backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backward_search_cuda, backward_search_reference, check_block_sizes,
                               max_balanced_blocks, num_source_blocks, split_query_blocks_reference)
 from .forward_search import forward_search_cuda, forward_search_reference, mirror_reference
@@ -487,7 +487,7 @@ def _check_report(report, sides):
 
 def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
                           out_coords=None, source_block=DEFAULT_SOURCE_BLOCK, query_block=DEFAULT_QUERY_BLOCK,
-                          assume_sorted=False, symmetric=True, masks=False) -> KernelMap:
+                          assume_sorted=False, symmetric=True, masks=False, while_reading=None) -> KernelMap:
     """The Map step with the kernels; arrays stay on the device, no Python loop over K.
 
     Optimistic about the order: coordinates are packed and searched as if they
@@ -529,9 +529,14 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
         cv.launch_pack(out_sorted, *query_reach, qkeys, work.flags_out)
     table, grid = _search_cuda(skeys, qkeys, d_deltas, K, B, C, work)
     # The read below waits for the forward search (~30 us of GPU time on a 94k-voxel
-    # scan): the host makes the map meanwhile, everything that needs no report.
+    # scan): the host makes the map meanwhile, everything that needs no report,
+    # and queues the caller's work that needs no report either (after the copy,
+    # so that the read does not wait for it).
     m = _finish_cuda(in_sorted, out_sorted, None, offsets, table, work, ks, st, dil, ts, None)
-    rep = to_host(work.report_read)
+    finish_read = read_later(work.report_read)
+    if while_reading is not None and assume_sorted:
+        while_reading(m)
+    rep = finish_read()
     _check_report(rep, sides)  # out of range; or unsorted, where the caller vouched for the order
     unsorted_in = bool(rep[REPORT_IN + cv.FLAG_UNSORTED])
     unsorted_out = not submanifold and bool(rep[REPORT_OUT + cv.FLAG_UNSORTED])
@@ -548,15 +553,16 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
         m = _finish_cuda(in_sorted, out_sorted, in_order, offsets, table, work, ks, st, dil, ts, out_order)
         rep = to_host(work.report_read)
         _check_report(rep, [(slot, c, r, n, False) for slot, c, r, n, _ in sides])  # repeated rows
-    m.counts_host = counts_host = rep[REPORT_ROWS + 1:].copy()
-    pairs = int(counts_host.sum())
+    m.counts_host = rep[REPORT_ROWS + 1:].copy()
+    pairs = sum(m.counts_host.tolist())  # K numbers: a list beats a NumPy reduction
+    nb = num_source_blocks(P, B)
     m.stats = {
         "backend": "cuda", "source_block": B, "query_block": C,
         "n_in": P, "n_out": Q, "n_offsets": K, "queries": K * Q,
         "segments_searched": h, "queries_searched": h * Q,
         "pairs": pairs, "hit_rate": pairs / (K * Q),
-        "source_blocks": num_source_blocks(P, B),
-        "query_blocks_before_balancing": h * num_source_blocks(P, B),
+        "source_blocks": nb,
+        "query_blocks_before_balancing": h * nb,
         "query_blocks_after_balancing": int(rep[REPORT_ROWS]),
         "forward_grid_upper_bound": work.upper, "forward_grid_launched": grid,
         "sorted_on_device": unsorted_in or unsorted_out,
@@ -581,7 +587,7 @@ def _finish_cuda(in_sorted, out_sorted, in_order, offsets, table, work, ks, st, 
 # ----------------------------------------------------------------------- API
 def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
                      out_coords=None, backend=None, source_block=DEFAULT_SOURCE_BLOCK, query_block=DEFAULT_QUERY_BLOCK,
-                     assume_sorted=False, symmetric=True, masks=False) -> KernelMap:
+                     assume_sorted=False, symmetric=True, masks=False, while_reading=None) -> KernelMap:
     """Build the kernel map of a sparse convolution (Minuet's Map step).
 
     Parameters
@@ -622,6 +628,15 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
         more to find them. :func:`numba_sc.sparse_conv3d` asks for them; the Map
         step alone does not need them (on 1M random voxels they cost ~10 % of
         the step). Kernel path only: the reference ignores it.
+    while_reading : callable, optional
+        Kernel path with ``assume_sorted=True`` only (ignored otherwise): called
+        with the map once its arrays are queued and the copy of its report to
+        the host has started, before the host waits for that copy. Work queued
+        there runs on the GPU right after the search, while the host is still
+        reading the report: :func:`numba_sc.sparse_conv3d` queues the submanifold
+        centre product there, which needs the map's coordinates but not its
+        counts. The map's counts, stats and error checks are not ready at that
+        point (an error is raised after the call).
 
     Returns
     -------
@@ -641,7 +656,7 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
     if resolve_backend(backend) == "reference":
         m = build_kernel_map_reference(in_coords, **kw)
     else:
-        m = build_kernel_map_cuda(in_coords, **kw)
+        m = build_kernel_map_cuda(in_coords, while_reading=while_reading, **kw)
     if is_cupy(in_coords) and not simulating():
         return m  # every array is on the device already: nothing to convert
     for name in ("in_coords", "out_coords", "_in_order", "table", "counts", "_out_order"):

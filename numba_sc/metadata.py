@@ -302,14 +302,29 @@ def submanifold_centre(kernel_map, counts=None) -> int:
     """Index of the offset (0, 0, 0) when it maps every point to itself, else -1.
 
     ``counts``: the map's pair counts already on the host (saves a device read).
+    Remembered on the map (a layer asks twice: to queue the centre product, and
+    for the buffer layout).
     """
+    known = getattr(kernel_map, "_centre", None)
+    if known is not None:
+        return known
+    c = centre_offset(kernel_map)
+    if c >= 0:
+        n_in, n_out = len(kernel_map.in_coords), len(kernel_map.out_coords)
+        counts = _host_counts(kernel_map) if counts is None else counts
+        if not n_in == n_out == int(counts[c]):
+            c = -1
+    try:
+        kernel_map._centre = c
+    except AttributeError:  # a map-like object that takes no new attribute: ask again next time
+        pass
+    return c
+
+
+def centre_offset(kernel_map) -> int:
+    """Index of the offset (0, 0, 0) among the map's offsets, or -1; needs no counts."""
     offsets = np.asarray(to_host(kernel_map.offsets))
-    c = _zero_offset(offsets.shape, offsets.dtype.str, offsets.tobytes())
-    if c < 0:
-        return -1
-    n_in, n_out = len(kernel_map.in_coords), len(kernel_map.out_coords)
-    counts = _host_counts(kernel_map) if counts is None else counts
-    return c if (n_in == n_out == int(counts[c])) else -1
+    return _zero_offset(offsets.shape, offsets.dtype.str, offsets.tobytes())
 
 
 @lru_cache(maxsize=256)
