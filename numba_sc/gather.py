@@ -58,9 +58,9 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, from_dtype, uint64
 
-from .backend import device_xp, launch, piece, resolve_backend, simulating, to_device
+from .backend import device_xp, launch, resolve_backend, simulating, to_device
 from .metadata import as_point_lists
-from .words import row_words
+from .words import as_words, row_words
 
 
 def check_tile(tile, channels, name="tile_size", what="channels"):
@@ -160,9 +160,8 @@ def gather_cuda(features, in_lists, rows, tile):
     if rows:
         src, dst = f, buf
         word, tile_words, per_row = row_words(f.itemsize, tile, f.shape[1])
-        if word is not None:  # the same bytes, as rows of words (pieces: no library call)
-            src = piece(f, 0, (f.shape[0], per_row), word)
-            dst = piece(buf, 0, (rows, per_row), word)
+        if word is not None:  # the same bytes, as rows of words
+            src, dst = as_words(f, f.shape[0], per_row, word), as_words(buf, rows, per_row, word)
         tiles = f.shape[1] // tile
         launch(gather_kernel(tile_words, tiles, word), f.shape[0] * tiles, src,
                to_device(in_lists.masks), to_device(in_lists.buffered), to_device(in_lists.slots), dst)

@@ -43,10 +43,10 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, uint64
 
-from .backend import device_xp, launch, piece, resolve_backend, to_device
+from .backend import device_xp, launch, resolve_backend, to_device
 from .gather import check_tile
 from .metadata import as_point_lists
-from .words import lane_codec, lanes, row_words
+from .words import as_words, lane_codec, lanes, row_words
 
 
 # ------------------------------------------------------------------ reference
@@ -151,9 +151,8 @@ def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=No
     if obuf.dtype != out.dtype:
         word, tile_words = None, tile  # (the public scatter() takes any buffer dtype)
     src, dst = obuf, out
-    if word is not None and n_out:  # the same bytes, as rows of words (pieces: no library call)
-        src = piece(obuf, 0, (obuf.shape[0], per_row), word)
-        dst = piece(out, 0, (n_out, per_row), word)
+    if word is not None and n_out:  # the same bytes, as rows of words
+        src, dst = as_words(obuf, obuf.shape[0], per_row, word), as_words(out, n_out, per_row, word)
     launch(scatter_kernel(tile_words, tiles, word, out.itemsize), n_out * tiles, src,
            to_device(out_lists.masks), to_device(out_lists.buffered), to_device(out_lists.slots),
            init is not None, dst)

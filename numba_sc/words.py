@@ -44,7 +44,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int16, int32, int64, uint64
 
-from .backend import simulating
+from .backend import piece, piece_template, simulating
 
 
 def word_view(itemsize: int, tile: int):
@@ -68,6 +68,27 @@ def row_words(itemsize: int, tile: int, channels: int):
     word, tile_words = word_view(itemsize, tile)
     per_row = channels if word is None else channels * itemsize // np.dtype(word).itemsize
     return word, tile_words, per_row
+
+
+def as_words(a, rows: int, per_row: int, word):
+    """The bytes of the C-contiguous device array ``a`` as ``(rows, per_row)`` words of
+    type ``word``: what the gather and the scatter hand their kernels (a
+    :class:`numba_sc.backend.Piece`, no library call; a NumPy view under the
+    simulator). ``rows * per_row`` words must be ``a``'s bytes: the callers
+    take both numbers from ``a``'s own shape (:func:`row_words`)."""
+    if simulating():
+        return piece(a, 0, (rows, per_row), word)
+    t = _words_template(rows, per_row, word)
+    if t.size * t.itemsize > a.nbytes:  # (piece() checks this; the template's move does not)
+        raise ValueError(f"{rows} rows of {per_row} words do not fit in an array of {a.nbytes} bytes")
+    return t.rebased(a)
+
+
+@lru_cache(maxsize=1024)
+def _words_template(rows, per_row, word):
+    # A piece of no allocation yet, moved into each new array: ~2x cheaper than a
+    # new piece, and a layer asks for the same few shapes call after call.
+    return piece_template(0, (rows, per_row), word)
 
 
 def lanes(word, itemsize: int) -> int:
