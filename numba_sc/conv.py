@@ -215,7 +215,8 @@ def resolve_tiles(tile_size, c_in, c_out, n_in, n_out, dtype, K, transposed, lay
 
 # ------------------------------------------------------------------ assembly
 def _prepare_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map, backend,
-                   sort=True, max_padding=gg.DEFAULT_MAX_PADDING, solo_rows=gg.DEFAULT_SOLO_ROWS):
+                   sort=True, max_padding=gg.DEFAULT_MAX_PADDING, solo_rows=gg.DEFAULT_SOLO_ROWS,
+                   launch_rows=None):
     """Checks, the Map step (unless a map is given) and the metadata.
 
     Returns ``(features, weight, km, plan)`` on the backend's side, where ``km`` is
@@ -223,7 +224,18 @@ def _prepare_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_
     ``weight`` is indexed like ``km.offsets``.
     """
     f, w, km = _map_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map, backend)
-    return f, w, km, build_plan(km, sort, max_padding, solo_rows, backend=backend)
+    lr = _launch_rows(launch_rows, w)
+    return f, w, km, build_plan(km, sort, max_padding, solo_rows, backend=backend, launch_rows=lr)
+
+
+def _launch_rows(launch_rows, w):
+    """The ``launch_rows`` argument: None prices a GEMM launch by the layer's channels."""
+    if launch_rows is None:
+        return gg.launch_rows(w.shape[1], w.shape[2], w.itemsize)
+    if not isinstance(launch_rows, (int, np.integer)) or isinstance(launch_rows, bool) or launch_rows < 0:
+        raise ValueError(f"launch_rows must be None or an int >= 0 (0: the plain padding policy), "
+                         f"got {launch_rows!r}")
+    return int(launch_rows)
 
 
 def _map_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map, backend,
@@ -300,7 +312,7 @@ def gmas(features, weight, plan, tiles=(1, 1), backend=None, init=None):
 def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False,
                   kernel_map=None, backend=None, tile_size=None, layer=None,
                   sort_offsets=True, max_padding=gg.DEFAULT_MAX_PADDING,
-                  solo_rows=gg.DEFAULT_SOLO_ROWS) -> SparseTensor:
+                  solo_rows=gg.DEFAULT_SOLO_ROWS, launch_rows=None) -> SparseTensor:
     """3D sparse convolution of ``x`` (a :class:`SparseTensor`) with ``weight``.
 
     Parameters
@@ -322,8 +334,11 @@ def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=Fal
         choice for this ``layer`` (see :func:`numba_sc.autotune`), else a heuristic.
     layer : hashable, optional
         Names the layer for the autotuning cache.
-    sort_offsets, max_padding, solo_rows
-        The GEMM grouping policy (:mod:`numba_sc.gemm_grouping`).
+    sort_offsets, max_padding, solo_rows, launch_rows
+        The GEMM grouping policy (:mod:`numba_sc.gemm_grouping`). ``launch_rows``:
+        the padding rows one GEMM launch is worth; None prices it by the
+        channels (:func:`numba_sc.gemm_grouping.launch_rows`), 0 groups by
+        ``max_padding`` alone, as in the paper.
 
     Returns a :class:`SparseTensor` on the output coordinates with the output
     tensor stride, its ``kernel_map`` set to the map used.
@@ -353,7 +368,8 @@ def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=Fal
             # A given map: queued now, before the metadata, which keeps the GPU busy
             # while the host works out the buffer layout (~80 us of Python).
             init = gg.centre_product_cuda(f, w, centre)
-    plan = build_plan(km, sort_offsets, max_padding, solo_rows, backend=bk)
+    plan = build_plan(km, sort_offsets, max_padding, solo_rows, backend=bk,
+                      launch_rows=_launch_rows(launch_rows, w))
     n_out = plan.n_out
     tiles = resolve_tiles(tile_size, w.shape[1], w.shape[2], f.shape[0], n_out, f.dtype,
                           w.shape[0], transposed, layer)

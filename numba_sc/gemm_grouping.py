@@ -34,6 +34,21 @@ On a real scan (SemanticKITTI at 0.05 m, a 3x3x3 submanifold layer, 26 offsets
 outside the centre with 1,881 to 21,662 pairs each) the default policy gives 4
 batched GEMMs with 5.9 % padding in sorted order, against 17 in map order.
 
+**A launch has a price too** (``launch_rows``). On a small cloud the GPU
+finishes each kernel faster than the host issues the next one: there a batched
+GEMM costs ~12 us of host time to launch (cuBLAS's own share, measured on the
+H100), while the GPU would multiply thousands of padding rows in those 12 us.
+So the policy also extends a group when the padding the extension adds is at
+most ``launch_rows`` rows, the rows the GPU moves in the time one launch costs
+the host (:func:`launch_rows`: bytes per row at ~2.5 TB/s, or flops per row
+when those take longer). Each such extension saves one launch. ``launch_rows=0``
+is the plain padding policy above (the default of the functions here and of
+:func:`numba_sc.metadata.build_plan`); :func:`numba_sc.sparse_conv3d` prices
+launches by its channels unless told otherwise. On the scan above, 64 -> 64
+channels in fp16 (``launch_rows`` ~117k): 2 GEMMs, 18 offsets of 3,239 rows and
+8 of 21,662, 15 % more rows than the 4 GEMMs, one layer 8 % faster end to end;
+256 -> 256 in fp32 (~4.6k) keeps the 4.
+
 Every group is one batched GEMM, ``(G, rows, C_in) @ (G, C_in, C_out)``: cuBLAS
 through ``cupy.matmul`` on the GPU, ``np.matmul`` under the simulator and in the
 reference. On the GPU the groups are issued round-robin on a pool of 4 CUDA
@@ -57,6 +72,27 @@ from .backend import device_xp, launch, simulating
 DEFAULT_MAX_PADDING = 0.25  # a group may add at most 25 % zero rows to its real rows
 DEFAULT_SOLO_ROWS = 1 << 17  # an offset with this many pairs runs as its own GEMM
 STREAM_POOL = 4  # Minuet's pool size (Section 5.2.2)
+
+# What launch_rows weighs (NVIDIA H100, benchmarks/README.md "session 7"): the host
+# time of one batched cuBLAS GEMM issued by grouped_gemm_cuda, and what the GPU does
+# meanwhile with padding rows: buffer bytes (memory bound, small channel counts) or
+# flops (large ones; fp32 without TF32, fp16 on tensor cores with fp32 sums).
+LAUNCH_US = 12.0
+BYTES_PER_US = 2.5e6  # ~2.5 TB/s
+FLOPS_PER_US = {4: 5.0e7, 2: 2.0e8}  # itemsize -> ~50 TFLOP/s fp32, ~200 fp16 (skinny GEMMs)
+
+
+def launch_rows(c_in: int, c_out: int, itemsize: int) -> int:
+    """Padding rows the GPU multiplies in the time one GEMM launch costs the host.
+
+    A padding row costs the GEMM ``(C_in + C_out) * itemsize`` bytes of traffic
+    and ``2 C_in C_out`` flops; whichever takes longer prices it. For 4 -> 16 fp32
+    that is ~375k rows per launch, for 64 -> 64 fp16 ~117k, for 256 -> 256 fp32
+    ~4.6k: the fewer the channels, the more padding a saved launch is worth.
+    """
+    per_row_us = max((c_in + c_out) * itemsize / BYTES_PER_US,
+                     2.0 * c_in * c_out / FLOPS_PER_US.get(itemsize, FLOPS_PER_US[4]))
+    return int(LAUNCH_US / per_row_us)
 
 
 @dataclass
@@ -95,7 +131,7 @@ def _order(c: list, sort: bool, skip) -> list:
 
 
 def make_groups(counts, order, max_padding=DEFAULT_MAX_PADDING,
-                solo_rows=DEFAULT_SOLO_ROWS) -> list:
+                solo_rows=DEFAULT_SOLO_ROWS, launch_rows=0) -> list:
     """Group adjacent offsets of ``order`` under the padding policy (module docstring).
 
     Returns the :class:`Group` list; groups are laid out back to back in the
@@ -103,6 +139,8 @@ def make_groups(counts, order, max_padding=DEFAULT_MAX_PADDING,
     """
     if max_padding < 0:
         raise ValueError(f"max_padding must be >= 0 (a fraction of real rows), got {max_padding}")
+    if launch_rows < 0:
+        raise ValueError(f"launch_rows must be >= 0 (padding rows a launch is worth), got {launch_rows}")
     counts = _ints(counts)
     groups, start = [], 0
     members, real, tallest = [], 0, 0
@@ -111,9 +149,12 @@ def make_groups(counts, order, max_padding=DEFAULT_MAX_PADDING,
         if members:
             t = tallest if tallest > c else c
             grown = real + c
-            # Extend while the padding stays within the budget and the group is not
-            # already tall enough to fill the GPU alone.
-            if t * (len(members) + 1) - grown <= max_padding * grown and t < solo_rows:
+            padding = t * (len(members) + 1) - grown
+            # Extend while the padding stays within the budget, or adds no more rows
+            # than the launch it saves is worth; and while the group is not already
+            # tall enough to fill the GPU alone.
+            if (padding <= max_padding * grown or padding - (tallest * len(members) - real) <= launch_rows) \
+                    and t < solo_rows:
                 members.append(k)
                 real, tallest = grown, t
                 continue
@@ -126,7 +167,7 @@ def make_groups(counts, order, max_padding=DEFAULT_MAX_PADDING,
 
 
 def padding_report(counts, skip=None, max_padding=DEFAULT_MAX_PADDING,
-                   solo_rows=DEFAULT_SOLO_ROWS) -> dict:
+                   solo_rows=DEFAULT_SOLO_ROWS, launch_rows=0) -> dict:
     """Padding overhead and GEMM launches of the grouping, sorted vs map order.
 
     For each of ``"sorted"`` and ``"map"``: ``real_rows`` (pairs), ``padding_rows``
@@ -137,7 +178,7 @@ def padding_report(counts, skip=None, max_padding=DEFAULT_MAX_PADDING,
     out = {}
     for name, sort in (("sorted", True), ("map", False)):
         order = offset_order(counts, sort, skip)
-        groups = make_groups(counts, order, max_padding, solo_rows)
+        groups = make_groups(counts, order, max_padding, solo_rows, launch_rows)
         real = int(np.asarray(counts, np.int64)[order].sum())
         total = sum(g.padded_rows for g in groups)
         out[name] = dict(real_rows=real, padding_rows=total - real, total_rows=total,

@@ -238,7 +238,7 @@ class GmasPlan:
     centre: int  # offset multiplied directly (submanifold), or -1
     in_lists: PointLists  # each input's buffer rows (host or device)
     out_lists: PointLists  # each output's buffer rows, in offset order (host or device)
-    policy: tuple = (gg.DEFAULT_MAX_PADDING, gg.DEFAULT_SOLO_ROWS)  # (max_padding, solo_rows)
+    policy: tuple = (gg.DEFAULT_MAX_PADDING, gg.DEFAULT_SOLO_ROWS, 0)  # (max_padding, solo_rows, launch_rows)
     _report: dict = field(default=None, repr=False)
     _tables: dict = field(default_factory=dict, repr=False)
 
@@ -337,17 +337,17 @@ def _zero_offset(shape, dtype: str, raw: bytes) -> int:
 
 
 def grouping_report(kernel_map, max_padding=gg.DEFAULT_MAX_PADDING,
-                    solo_rows=gg.DEFAULT_SOLO_ROWS, direct_centre=True) -> dict:
+                    solo_rows=gg.DEFAULT_SOLO_ROWS, direct_centre=True, launch_rows=0) -> dict:
     """Padding overhead and GEMM launches of a layer, offsets sorted vs map order.
 
     See :func:`numba_sc.gemm_grouping.padding_report`; the submanifold centre (when
     multiplied directly) is in neither count.
     """
     centre = submanifold_centre(kernel_map) if direct_centre else -1
-    return gg.padding_report(_host_counts(kernel_map), centre, max_padding, solo_rows)
+    return gg.padding_report(_host_counts(kernel_map), centre, max_padding, solo_rows, launch_rows)
 
 
-def _layout(kernel_map, sort, max_padding, solo_rows, direct_centre):
+def _layout(kernel_map, sort, max_padding, solo_rows, direct_centre, launch_rows=0):
     """Host part: counts -> order, groups, base rows.
 
     Plain Python on lists of K ints: every layer runs it between the Map step's
@@ -358,7 +358,7 @@ def _layout(kernel_map, sort, max_padding, solo_rows, direct_centre):
     centre = submanifold_centre(kernel_map, counts) if direct_centre else -1
     c = counts.tolist()
     order = gg._order(c, sort, centre)
-    groups = gg.make_groups(c, order, max_padding, solo_rows)
+    groups = gg.make_groups(c, order, max_padding, solo_rows, launch_rows)
     base = [-1] * len(c)
     for g in groups:
         row = g.start
@@ -368,7 +368,7 @@ def _layout(kernel_map, sort, max_padding, solo_rows, direct_centre):
     last = groups[-1] if groups else None
     rows = last.start + last.padded_rows if last else 0  # groups lie back to back
     return (counts, np.array(order, dtype=np.int64), groups, np.array(base, dtype=np.int64), rows,
-            centre, (max_padding, solo_rows))
+            centre, (max_padding, solo_rows, launch_rows))
 
 
 def _device_layout(base):
@@ -399,10 +399,10 @@ _LAYOUTS = {}  # (base values, device) -> (base, buffered bits) on that device
 
 # ------------------------------------------------------------------ reference
 def build_plan_reference(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
-                         solo_rows=gg.DEFAULT_SOLO_ROWS, direct_centre=True) -> GmasPlan:
+                         solo_rows=gg.DEFAULT_SOLO_ROWS, direct_centre=True, launch_rows=0) -> GmasPlan:
     """NumPy version: the plain per-offset scan, then fancy-indexed writes instead of a kernel."""
     counts, order, groups, base, rows, centre, policy = _layout(
-        kernel_map, sort, max_padding, solo_rows, direct_centre)
+        kernel_map, sort, max_padding, solo_rows, direct_centre, launch_rows)
     table = np.asarray(to_host(kernel_map.table))
     K, n_out = table.shape
     n_in = len(kernel_map.in_coords)
@@ -727,7 +727,7 @@ def chunk_counts_cuda(table, threads: int | None = None):
 
 def build_plan_cuda(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
                     solo_rows=gg.DEFAULT_SOLO_ROWS, direct_centre=True,
-                    threads: int | None = None) -> GmasPlan:
+                    threads: int | None = None, launch_rows=0) -> GmasPlan:
     """Device version: the lists, one kernel and no sync (plus, for a map that did not
     come with them, a pass for the pair counts per chunk and one for the masks).
 
@@ -735,7 +735,7 @@ def build_plan_cuda(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
     outputs (default :func:`metadata_threads`; the tests vary it).
     """
     counts, order, groups, base, rows, centre, policy = _layout(
-        kernel_map, sort, max_padding, solo_rows, direct_centre)
+        kernel_map, sort, max_padding, solo_rows, direct_centre, launch_rows)
     threads = _check_threads(threads or metadata_threads())
     table = to_device(kernel_map.table)
     K, n_out = table.shape
@@ -763,12 +763,15 @@ def build_plan_cuda(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
 
 
 def build_plan(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
-               solo_rows=gg.DEFAULT_SOLO_ROWS, direct_centre=True, backend=None) -> GmasPlan:
+               solo_rows=gg.DEFAULT_SOLO_ROWS, direct_centre=True, backend=None,
+               launch_rows=0) -> GmasPlan:
     """Metadata of one layer from its kernel map (see the module docstring).
 
     ``sort=False`` keeps the map's offset order (to measure what sorting buys);
-    ``direct_centre=False`` sends the submanifold centre through the buffers too.
+    ``direct_centre=False`` sends the submanifold centre through the buffers too;
+    ``launch_rows``: padding rows a GEMM launch is worth
+    (:func:`numba_sc.gemm_grouping.launch_rows`; 0: the plain padding policy).
     """
     if resolve_backend(backend) == "reference":
-        return build_plan_reference(kernel_map, sort, max_padding, solo_rows, direct_centre)
-    return build_plan_cuda(kernel_map, sort, max_padding, solo_rows, direct_centre)
+        return build_plan_reference(kernel_map, sort, max_padding, solo_rows, direct_centre, launch_rows)
+    return build_plan_cuda(kernel_map, sort, max_padding, solo_rows, direct_centre, launch_rows=launch_rows)

@@ -25,7 +25,7 @@ from numba_sc import autotune as autotune_mod_fn  # the function
 from numba_sc.backend import as_array, simulating, to_device, to_host
 from numba_sc.conv import gmas, resolve_tiles
 from numba_sc.gather import divisors, gather_cuda, gather_reference
-from numba_sc.gemm_grouping import make_groups, offset_order, padding_report
+from numba_sc.gemm_grouping import launch_rows, make_groups, offset_order, padding_report
 from numba_sc.kernel_map import build_kernel_map
 from numba_sc.metadata import (ITEMS_PER_THREAD, build_plan, build_plan_cuda,
                                chunk_counts_cuda, chunk_counts_reference, chunk_rank_reference,
@@ -349,6 +349,53 @@ def test_grouping_padding_by_hand():
                                  launches=1)
     solo = make_groups(np.array([50, 50, 50]), [0, 1, 2], max_padding=0.1, solo_rows=50)
     assert len(solo) == 3
+
+
+def test_grouping_prices_launches_by_hand():
+    """launch_rows: an extension that adds at most that many padding rows saves a
+    launch and is taken even past max_padding; 0 is the plain padding policy."""
+    counts = np.array([9, 2, 8, 3, 9, 2])  # sorted: 2 2 3 8 9 9
+    order = offset_order(counts)
+
+    def members(lr):
+        return [g.members for g in make_groups(counts, order, max_padding=0.25, launch_rows=lr)]
+
+    assert members(0) == members(1) == [(1, 5), (3,), (2, 0, 4)]
+    assert members(2) == [(1, 5, 3), (2, 0, 4)]  # [2 2] + 3 pads 2 rows: worth one launch
+    assert members(14) == [(1, 5, 3), (2, 0, 4)]  # [2 2 3] + 8 would add 15
+    assert members(15) == [(1, 5, 3, 2, 0, 4)]
+    rep = padding_report(counts, max_padding=0.25, launch_rows=15)["sorted"]
+    assert rep["launches"] == 1 and rep["padding_rows"] == 6 * 9 - 33
+    # solo_rows still keeps a tall offset alone, whatever a launch is worth.
+    assert len(make_groups(np.array([50, 50, 50]), [0, 1, 2], 0.1, solo_rows=50, launch_rows=10**9)) == 3
+    with pytest.raises(ValueError, match="launch_rows"):
+        make_groups(counts, order, launch_rows=-1)
+    # The price: fewer channels, more padding rows per launch.
+    prices = [launch_rows(c, c, 4) for c in (4, 16, 64, 256)]
+    assert prices == sorted(prices, reverse=True) and prices[-1] > 0
+    assert launch_rows(64, 64, 2) > launch_rows(64, 64, 4)  # fp16 rows are half the bytes
+
+
+def test_layer_launch_rows_argument(rng):
+    """sparse_conv3d prices launches by its channels unless told: the groups differ,
+    the result does not (padding rows are never read back)."""
+    # A line (60 pairs through the two x offsets) beside a 3x3x3 block (a few pairs
+    # through every offset): counts far apart, which max_padding keeps in
+    # separate groups.
+    line = np.stack([np.arange(60), np.zeros(60), np.zeros(60)], 1)
+    block = np.stack(np.meshgrid(*[np.arange(3)] * 3, indexing="ij"), -1).reshape(-1, 3) + 100
+    c = np.concatenate([line, block]).astype(np.int32)
+    x = SparseTensor(c, rng.standard_normal((len(c), 4)).astype(np.float32))
+    w = rng.normal(size=(27, 4, 4)).astype(np.float32)
+    plain = sparse_conv3d(x, w, 3, backend="reference", launch_rows=0)
+    priced = sparse_conv3d(x, w, 3, backend="reference")
+    km = priced.kernel_map
+    fewer = build_plan(km, backend="reference", launch_rows=launch_rows(4, 4, 4)).launches
+    assert fewer == 1 < build_plan(km, backend="reference").launches  # the groups do differ
+    np.testing.assert_allclose(to_host(priced.features), to_host(plain.features), rtol=1e-5, atol=1e-5)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="launch_rows"):
+            sparse_conv3d(x, w, 3, backend="reference", launch_rows=bad)
 
 
 def test_offset_order_is_a_stable_sort_without_empties(rng):
