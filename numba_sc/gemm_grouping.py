@@ -46,8 +46,9 @@ is the plain padding policy above (the default of the functions here and of
 :func:`numba_sc.metadata.build_plan`); :func:`numba_sc.sparse_conv3d` prices
 launches by its channels unless told otherwise. On the scan above, 64 -> 64
 channels in fp16 (``launch_rows`` ~117k): 2 GEMMs, 18 offsets of 3,239 rows and
-8 of 21,662, 15 % more rows than the 4 GEMMs, one layer 8 % faster end to end;
-256 -> 256 in fp32 (~4.6k) keeps the 4.
+8 of 21,662, 15 % more rows than the 4 GEMMs, and the whole layer ~9 % less host
+time; 4 -> 16 in fp32 (~375k): 1 GEMM, 6-10 % faster; 256 -> 256 in fp32
+(~4.6k) keeps the 4 (``benchmarks/probe_grouping.py``, H100).
 
 Every group is one batched GEMM, ``(G, rows, C_in) @ (G, C_in, C_out)``: cuBLAS
 through ``cupy.matmul`` on the GPU, ``np.matmul`` under the simulator and in the
