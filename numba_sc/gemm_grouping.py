@@ -75,7 +75,8 @@ DEFAULT_SOLO_ROWS = 1 << 17  # an offset with this many pairs runs as its own GE
 STREAM_POOL = 4  # Minuet's pool size (Section 5.2.2)
 
 # What launch_rows weighs (NVIDIA H100, benchmarks/README.md "session 7"): the host
-# time of one batched cuBLAS GEMM issued by grouped_gemm_cuda, and what the GPU does
+# time of one batched cuBLAS GEMM issued by grouped_gemm_cuda (12.7 us for the bare
+# call, benchmarks/results/probe_host_costs_h100_2026-11-22.json), and what the GPU does
 # meanwhile with padding rows: buffer bytes (memory bound, small channel counts) or
 # flops (large ones; fp32 without TF32, fp16 on tensor cores with fp32 sums).
 LAUNCH_US = 12.0
