@@ -229,14 +229,15 @@ def _prepare_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_
 
 
 def _layer_plan(km, sort, max_padding, solo_rows, launch_rows, backend):
-    """The metadata of ``km`` under this policy, built once per map and kept on it.
+    """The metadata of a *given* map under this policy, built once and kept on the map.
 
     A plan depends on the map and the grouping policy only (not on features,
-    weights or channels), so layers that share a map (``kernel_map=``, or the
-    transposed layer of a strided one) share its plan, as spconv's layers that
-    share an ``indice_key`` share their pairs: such a layer skips the metadata
-    kernels (~50 us on SemanticKITTI, ~150 us on 1M voxels). The map keeps its
-    latest plan alive: the slots, 4 K (|P| + |Q|) bytes.
+    weights or channels), so layers that share a map (``kernel_map=``) share its
+    plan, as spconv's layers that share an ``indice_key`` share their pairs: the
+    second and later ones skip the metadata kernels (~50 us on SemanticKITTI,
+    ~150 us on 1M voxels). Only a map passed in again keeps its plan (the
+    latest policy's), so memory is held (the slots, 4 K (|P| + |Q|) bytes) only
+    where a map is reused.
     """
     key = (sort, max_padding, solo_rows, launch_rows, backend)
     kept = getattr(km, "_plan", None)
@@ -248,19 +249,6 @@ def _layer_plan(km, sort, max_padding, solo_rows, launch_rows, backend):
     except AttributeError:  # a map-like object that takes no new attribute: no reuse
         pass
     return plan
-
-
-def _transposed_map(kernel_map):
-    """``kernel_map.transposed()``, made once per map and kept on it (a transposed
-    layer after the strided one reuses it, and with it its plan)."""
-    t = getattr(kernel_map, "_transposed_map", None)
-    if t is None:
-        t = kernel_map.transposed()
-        try:
-            kernel_map._transposed_map = t
-        except AttributeError:
-            pass
-    return t
 
 
 def _launch_rows(launch_rows, w):
@@ -291,7 +279,7 @@ def _map_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map,
                 "e.g. y = sparse_conv3d(x, w, stride=2); "
                 "sparse_conv3d(y, w2, transposed=True, kernel_map=y.kernel_map)")
         _check_map_fits(x, kernel_map, True)
-        km = _transposed_map(kernel_map)
+        km = kernel_map.transposed()
     elif kernel_map is None:
         # The weight is checked before the Map step, so that work queued during
         # the step's read (while_reading) only ever sees a weight of the right shape.
@@ -362,8 +350,8 @@ def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=Fal
         inverts (``y.kernel_map`` of that layer's output ``y``, which is ``x``).
     kernel_map : KernelMap, optional
         Reuse a map (no second Map step): for a forward layer, its input side must
-        be ``x``'s coordinates. The map also keeps the metadata built from it
-        (the latest grouping policy's), so a second layer on it skips that too.
+        be ``x``'s coordinates. A map passed in also keeps the metadata built from
+        it (the latest grouping policy's), so the next layer given it skips that too.
     backend : None | "cuda" | "reference"
     tile_size : None | int | (int, int)
         Gather and scatter tile sizes (channels per thread). None: the autotuned
@@ -404,7 +392,11 @@ def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=Fal
             # A given map: queued now, before the metadata, which keeps the GPU busy
             # while the host works out the buffer layout (~80 us of Python).
             init = gg.centre_product_cuda(f, w, centre)
-    plan = _layer_plan(km, sort_offsets, max_padding, solo_rows, _launch_rows(launch_rows, w), bk)
+    lr = _launch_rows(launch_rows, w)
+    if kernel_map is not None and not transposed:  # a map reused: so may its plan be
+        plan = _layer_plan(km, sort_offsets, max_padding, solo_rows, lr, bk)
+    else:
+        plan = build_plan(km, sort_offsets, max_padding, solo_rows, backend=bk, launch_rows=lr)
     n_out = plan.n_out
     tiles = resolve_tiles(tile_size, w.shape[1], w.shape[2], f.shape[0], n_out, f.dtype,
                           w.shape[0], transposed, layer)
