@@ -19,11 +19,11 @@ times, median of ``--reps`` runs after ``--warmup`` runs:
   the pairs reused (its "GMaS alone").
 
 Host time is wall clock around the call plus a synchronisation; GPU time comes
-from CUDA events recorded on the current stream around the call. A short table
+from CUDA events recorded on the current stream around the call. The end-to-end
+and GMaS-alone calls of a row's contenders are timed interleaved, call by call
+(:func:`timed_interleaved`; ``--sequential``: one contender after the other). A short table
 goes to stdout, everything to ``--out`` (JSON).
 """
-import os
-
 # (numba_sc.backend.launch switches off Numba's per-launch host sync on CuPy
 # arguments itself, so the benchmark measures what a user gets.)
 
@@ -90,6 +90,41 @@ def timed(fn, warmup, reps, events):
             "host_ms_all": host, "gpu_ms_all": gpu}
 
 
+def timed_interleaved(contenders, warmup, reps, block=4):
+    """:func:`timed` for several contenders at once, call by call in rounds.
+
+    ``contenders``: key -> (fn, events). Each round gives every contender, in a
+    shuffled order, one call not kept and then ``block`` timed calls, until each
+    has at least ``reps`` timed calls. The lent GPU machine has slow minutes
+    (the same call then takes up to 2x longer): timed one after the other, a
+    contender that draws a slow minute loses a row it would win; interleaved,
+    a slow minute hits every contender of the row alike.
+    """
+    for fn, (_, _, sync) in contenders.values():
+        for _ in range(warmup):
+            fn()
+        sync()
+    samples = {key: ([], []) for key in contenders}
+    keys = list(contenders)
+    rng = np.random.default_rng(0)
+    for _ in range(-(-reps // block)):
+        for key in [keys[i] for i in rng.permutation(len(keys))]:
+            fn, (make, elapsed, sync) = contenders[key]
+            fn()
+            sync()
+            for _ in range(block):
+                start, stop = make()
+                t0 = time.perf_counter()
+                start.record()
+                fn()
+                stop.record()
+                stop.synchronize()
+                samples[key][0].append((time.perf_counter() - t0) * 1e3)
+                samples[key][1].append(elapsed(start, stop))
+    return {key: {"host_ms": statistics.median(h), "gpu_ms": statistics.median(g), "host_ms_all": h,
+                  "gpu_ms_all": g} for key, (h, g) in samples.items()}
+
+
 def cupy_events():
     import cupy
 
@@ -131,10 +166,11 @@ def bench_numba_sc(coords, cin, cout, dtype, args, rec):
                     "timings": {s: {str(t): v for t, v in d.items()} for s, d in choice.timings.items()}}
     rec["grouping"] = numba_sc.grouping_report(km)
     rec["pairs"] = int(np.asarray(numba_sc.backend.to_host(km.counts)).sum())
-    rec["end_to_end"] = timed(lambda: numba_sc.sparse_conv3d(x, w, 3, backend="cuda", tile_size=tiles),
-                              args.warmup, args.reps, ev)
-    rec["gmas"] = timed(lambda: numba_sc.sparse_conv3d(x, w, kernel_map=km, backend="cuda",
-                                                       tile_size=tiles), args.warmup, args.reps, ev)
+    calls = {"end_to_end": lambda: numba_sc.sparse_conv3d(x, w, 3, backend="cuda", tile_size=tiles),
+             "gmas": lambda: numba_sc.sparse_conv3d(x, w, kernel_map=km, backend="cuda", tile_size=tiles)}
+    if args.sequential:
+        for name, fn in calls.items():
+            rec[name] = timed(fn, args.warmup, args.reps, ev)
     # per stage, on prepared arrays
     f, wd, km2, plan = _prepare_layer(x, w, 3, 1, 1, False, km, "cuda")
     ibuf = gather_cuda(f, plan.in_lists, plan.rows, tiles[0])
@@ -168,6 +204,7 @@ def bench_numba_sc(coords, cin, cout, dtype, args, rec):
         got = cupy.asnumpy(y.features).astype(np.float64)
         want = ref.features.astype(np.float64)
         rec["rel_err_vs_reference"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    return calls, ev
 
 
 # ----------------------------------------------------------------------- spconv
@@ -192,16 +229,24 @@ def bench_spconv(coords, cin, cout, dtype, algo_name, args, rec):
         return conv(spconv.SparseConvTensor(feats, indices, spatial, 1))
 
     with torch.no_grad():
-        out = fresh()
-        rec["end_to_end"] = timed(fresh, args.warmup, args.reps, ev)
-        pairs = out.indice_dict
+        pairs = fresh().indice_dict
 
-        def reuse():
-            t = spconv.SparseConvTensor(feats, indices, spatial, 1)
-            t.indice_dict = pairs  # the same indice_key finds its pairs: no map step
-            return conv(t)
+    def reuse():
+        t = spconv.SparseConvTensor(feats, indices, spatial, 1)
+        t.indice_dict = pairs  # the same indice_key finds its pairs: no map step
+        return conv(t)
 
-        rec["gmas"] = timed(reuse, args.warmup, args.reps, ev)
+    def no_grad(fn):
+        def call():
+            with torch.no_grad():
+                return fn()
+        return call
+
+    calls = {"end_to_end": no_grad(fresh), "gmas": no_grad(reuse)}
+    if args.sequential:
+        for name, fn in calls.items():
+            rec[name] = timed(fn, args.warmup, args.reps, ev)
+    return calls, ev
 
 
 # ------------------------------------------------------------------------ main
@@ -217,6 +262,9 @@ def main():
     ap.add_argument("--dtypes", default="float32,float16")
     ap.add_argument("--no-spconv", action="store_true")
     ap.add_argument("--note", default="", help="what code this run measured (goes into 'recorded')")
+    ap.add_argument("--sequential", action="store_true",
+                    help="time each contender of a row in one block, one after the other (the "
+                         "rounds before session 7); default: interleaved, call by call")
     args = ap.parse_args()
     channels = [tuple(int(v) for v in c.split("-")) for c in args.channels.split(",")]
 
@@ -250,18 +298,30 @@ def main():
                 peers = [("numba-sc", None)]
                 if not args.no_spconv:
                     peers += [("spconv Native", "Native"), ("spconv MaskImplicitGemm", "MaskImplicitGemm")]
+                row, contenders = [], {}
                 for impl, algo in peers:
                     rec = {"dataset": dname, "n": int(len(coords)), "cin": cin, "cout": cout,
                            "impl": impl, "dtype": dt}
                     try:
                         if algo is None:
-                            bench_numba_sc(coords, cin, cout, dtype, args, rec)
+                            calls, ev = bench_numba_sc(coords, cin, cout, dtype, args, rec)
                         else:
-                            bench_spconv(coords, cin, cout, dtype, algo, args, rec)
+                            calls, ev = bench_spconv(coords, cin, cout, dtype, algo, args, rec)
+                        for name, fn in calls.items():
+                            contenders[(impl, name)] = (fn, ev)
                     except Exception as e:
                         rec["error"] = repr(e)
                         rec["traceback"] = traceback.format_exc()
                         print(f"[{impl} {dname} {cin}->{cout} {dt}] failed: {e!r}")
+                    row.append(rec)
+                if not args.sequential and contenders:
+                    times = timed_interleaved(contenders, args.warmup, args.reps)
+                    for rec in row:
+                        for name in ("end_to_end", "gmas"):
+                            if (rec["impl"], name) in times:
+                                rec[name] = times[(rec["impl"], name)]
+                for rec in row:
+                    impl = rec["impl"]
                     results["runs"].append(rec)
                     # written after every row: a run cut short still leaves what it measured
                     results["recorded"] = recorded(args.note)
