@@ -310,8 +310,9 @@ def gmas(features, weight, plan, tiles=(1, 1), backend=None, init=None):
     ``features`` (|P|, C_in) in the map's input order, ``weight`` (K, C_in, C_out)
     indexed like the map's offsets, ``plan`` from :func:`numba_sc.metadata.build_plan`.
     ``init``: the centre product ``features @ weight[plan.centre]`` when it is
-    already computed (or queued: :func:`sparse_conv3d` queues it before the
-    metadata), else None. Returns (|Q|, C_out) features on the backend's side.
+    already computed (or queued: :func:`sparse_conv3d` queues it during the Map
+    step's read, or before the metadata for a given map), else None. Returns
+    (|Q|, C_out) features on the backend's side.
     """
     bk = resolve_backend(backend)
     n_out = plan.n_out
