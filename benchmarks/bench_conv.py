@@ -69,6 +69,23 @@ def random_coords(n=1_000_000, box=400, seed=0):
     return np.stack([ids // (box * box), (ids // box) % box, ids % box], 1).astype(np.int32)
 
 
+def one_call(fn, make, elapsed):
+    """Host and GPU milliseconds of one fn() call: wall clock from before the start
+    event to the end event's completion, and the time between the two events."""
+    start, stop = make()
+    t0 = time.perf_counter()
+    start.record()
+    fn()
+    stop.record()
+    stop.synchronize()
+    return (time.perf_counter() - t0) * 1e3, elapsed(start, stop)
+
+
+def medians(host, gpu):
+    return {"host_ms": statistics.median(host), "gpu_ms": statistics.median(gpu),
+            "host_ms_all": host, "gpu_ms_all": gpu}
+
+
 def timed(fn, warmup, reps, events):
     """Median host and GPU milliseconds of fn(). ``events`` makes (start, stop) event
     pairs with .record(), and elapsed(start, stop) -> ms, for the library in use."""
@@ -76,18 +93,8 @@ def timed(fn, warmup, reps, events):
     for _ in range(warmup):
         fn()
     sync()
-    host, gpu = [], []
-    for _ in range(reps):
-        start, stop = make()
-        t0 = time.perf_counter()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        host.append((time.perf_counter() - t0) * 1e3)
-        gpu.append(elapsed(start, stop))
-    return {"host_ms": statistics.median(host), "gpu_ms": statistics.median(gpu),
-            "host_ms_all": host, "gpu_ms_all": gpu}
+    host, gpu = zip(*(one_call(fn, make, elapsed) for _ in range(reps)))
+    return medians(list(host), list(gpu))
 
 
 def timed_interleaved(contenders, warmup, reps, block=4):
@@ -113,16 +120,10 @@ def timed_interleaved(contenders, warmup, reps, block=4):
             fn()
             sync()
             for _ in range(block):
-                start, stop = make()
-                t0 = time.perf_counter()
-                start.record()
-                fn()
-                stop.record()
-                stop.synchronize()
-                samples[key][0].append((time.perf_counter() - t0) * 1e3)
-                samples[key][1].append(elapsed(start, stop))
-    return {key: {"host_ms": statistics.median(h), "gpu_ms": statistics.median(g), "host_ms_all": h,
-                  "gpu_ms_all": g} for key, (h, g) in samples.items()}
+                host, gpu = one_call(fn, make, elapsed)
+                samples[key][0].append(host)
+                samples[key][1].append(gpu)
+    return {key: medians(h, g) for key, (h, g) in samples.items()}
 
 
 def cupy_events():
