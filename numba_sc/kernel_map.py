@@ -131,6 +131,11 @@ class KernelMap:
     # metadata stage (None when not known, as for chunk_counts). Pieces on a GPU.
     out_masks: object = field(default=None, repr=False)
     in_masks: object = field(default=None, repr=False)
+    # Remembered by the GMaS step, not part of the map's value: the submanifold centre
+    # (numba_sc.metadata.submanifold_centre) and, for a map passed to a layer again,
+    # its latest plan with the policy it was built for (numba_sc.conv._layer_plan).
+    _centre: int = field(default=None, repr=False, compare=False)
+    _plan: tuple = field(default=None, repr=False, compare=False)
 
     # The orders are the identity whenever the coordinates came in sorted, which is
     # always the case inside a network (every stage hands out sorted coordinates).
