@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -72,8 +73,10 @@ def clear_cache():
     _CACHE.clear()
 
 
+@lru_cache(maxsize=4096)
 def heuristic_tile(channels: int, n_points: int, itemsize: int = 4) -> int:
-    """Count-based tile size (module docstring): no timing, same answer everywhere."""
+    """Count-based tile size (module docstring): no timing, same answer everywhere.
+    (Remembered: every call of every layer asks, and the divisors cost a loop.)"""
     cands = [d for d in divisors(channels) if d * itemsize <= MAX_TILE_BYTES] or [1]
     for t in sorted(cands, reverse=True):  # largest first: fewest table reads
         if n_points * (channels // t) >= TARGET_THREADS:
@@ -179,7 +182,7 @@ def autotune(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False,
     if timer is None and bk == "cuda" and not simulating():
         timer = gpu_time_once
     if timer is None or bk == "reference":
-        n_in, n_out = feats.shape[0], len(km.out_coords)  # km: the map actually used
+        n_in, n_out = feats.shape[0], plan.n_out
         item = np.dtype(feats.dtype).itemsize
         choice = TileChoice(heuristic_tile(c_in, n_in, item), heuristic_tile(c_out, n_out, item),
                             "heuristic")

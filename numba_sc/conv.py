@@ -63,128 +63,58 @@ from .gather import check_tile, gather_cuda, gather_reference
 from .kernel_map import _layer as _layer_args, build_kernel_map
 from .metadata import build_plan, centre_offset, submanifold_centre
 from .scatter import scatter_cuda, scatter_reference
+from .tensor import FEATURE_DTYPES, SparseTensor, array_module as _xp, same_coordinates
 
-FEATURE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
-
-
-def _xp(a):
-    if is_cupy(a):
-        import cupy
-
-        return cupy
-    return np
-
-
-class SparseTensor:
-    """Unique integer coordinates (sorted) with one feature row each.
-
-    Parameters
-    ----------
-    coords : int array (N, 3) or (N, 4)
-        Voxel coordinates as :func:`numba_sc.voxelize` returns them, optionally
-        with the batch index in column 0. They need not be sorted; they must be
-        unique.
-    features : float32 or float16 array (N, C)
-        Row i belongs to ``coords[i]``.
-    stride : int or 3 ints
-        Tensor stride: the grid spacing of the coordinates, in finest voxels
-        (1 for a voxelized cloud, 2 after one stride-2 layer, ...).
-
-    Construction sorts the rows once, lexicographically on (batch, x, y, z) (the
-    order every stage expects), by packed key: ``.coords = coords[.order]`` and
-    ``.features = features[.order]``. ``.kernel_map`` is the map of the layer
-    that produced this tensor (None for a tensor built by hand): pass it to a
-    later layer on the same coordinates, or to the transposed layer.
-    """
-
-    def __init__(self, coords, features, stride=1):
-        # Range: checked by pack_keys below (in a kernel for device arrays).
-        coords = cv.validate_coords(coords, "coords", check_range=False)
-        if not hasattr(features, "shape") or not hasattr(features, "dtype"):
-            raise TypeError(f"features must be a NumPy or CuPy array, got {type(features).__name__}")
-        if features.ndim != 2:
-            raise ValueError(
-                f"features must have shape (N, C), got {tuple(features.shape)}; for one "
-                "channel use features.reshape(-1, 1)")
-        if features.shape[0] != coords.shape[0]:
-            raise ValueError(
-                f"features has {features.shape[0]} rows but coords has {coords.shape[0]}: "
-                "there must be one feature row per coordinate")
-        if np.dtype(features.dtype) not in FEATURE_DTYPES:
-            raise TypeError(
-                f"features must be float32 or float16, got {features.dtype}; convert with "
-                "features.astype(np.float32)")
-        coords = like(coords, features)  # one array kind: the features' (the big array)
-        xp = _xp(coords)
-        keys = cv.pack_keys(coords)
-        order = xp.argsort(keys, kind="stable") if xp is np else xp.argsort(keys)
-        skeys = keys[order]
-        dup = skeys[1:] == skeys[:-1]
-        if bool(dup.any()):  # one device->host read of a flag
-            i = int(to_host(xp.flatnonzero(dup))[0])
-            c = to_host(coords[order[i]]).tolist()
-            raise ValueError(
-                f"coords must be unique, but {c} appears more than once "
-                f"({int(to_host(dup.sum()))} repeats in all); merge duplicates first, e.g. "
-                "numba_sc.voxelize(points, voxel_size, features, reduce='mean')")
-        self.coords = coords[order]
-        self.features = features[order]
-        self.order = order
-        self.stride = cv.as_int_tuple(stride, "stride")
-        self.kernel_map = None
-
-    @classmethod
-    def _trusted(cls, coords, features, stride, kernel_map):
-        """A tensor from already sorted, unique coordinates (a layer's output):
-        no validation, no sort."""
-        t = cls.__new__(cls)
-        t.coords, t.features, t.stride, t.kernel_map = coords, features, tuple(stride), kernel_map
-        t.order = None
-        return t
-
-    def __len__(self):
-        return int(self.coords.shape[0])
-
-    @property
-    def channels(self) -> int:
-        return int(self.features.shape[1])
-
-    def __repr__(self):
-        return (f"SparseTensor({len(self)} points, {self.channels} channels, "
-                f"{np.dtype(self.features.dtype).name}, stride {self.stride})")
+__all__ = ["SparseTensor", "sparse_conv3d", "gmas", "resolve_tiles", "FEATURE_DTYPES"]
 
 
 # ------------------------------------------------------------- argument checks
-def _check_weight(weight, K, c_in, dtype, kernel_size):
+def _check_weight(weight, K, c_in, dtype, kernel_size, layer=None):
+    where = _where(layer)
     if not hasattr(weight, "shape") or not hasattr(weight, "dtype"):
-        raise TypeError(f"weight must be a NumPy or CuPy array, got {type(weight).__name__}")
+        raise TypeError(f"{where}weight must be a NumPy or CuPy array, got {type(weight).__name__}")
     ks = tuple(kernel_size)
     if weight.ndim != 3 or weight.shape[0] != K or weight.shape[1] != c_in:
         raise ValueError(
-            f"weight must have shape (K, C_in, C_out) = ({K}, {c_in}, C_out) for kernel_size "
+            f"{where}weight must have shape (K, C_in, C_out) = ({K}, {c_in}, C_out) for kernel_size "
             f"{ks} (K = {K} offsets, in kernel_offsets order) and {c_in} input channels, got "
             f"{tuple(weight.shape)}")
     if np.dtype(weight.dtype) != np.dtype(dtype):
         raise TypeError(
-            f"weight is {weight.dtype} but the features are {np.dtype(dtype)}; both must have "
+            f"{where}weight is {weight.dtype} but the features are {np.dtype(dtype)}; both must have "
             f"the same dtype: use weight.astype(np.{np.dtype(dtype).name})")
 
 
-def _check_map_fits(x, kernel_map, transposed):
+def _where(layer):
+    """The prefix of an error message about the layer named ``layer`` (if any)."""
+    return "" if layer is None else f"layer {layer!r}: "
+
+
+def _check_map_fits(x, kernel_map, transposed, layer=None):
+    """``kernel_map`` must have been built on ``x``'s coordinates (on its output side for a
+    transposed layer): same count, same tensor stride, same coordinates. The last
+    costs nothing for the arrays layers hand on (the map holds the very array),
+    and one comparison (a device read) for a map given to a tensor made anew."""
     if transposed:
-        n, ts, side = len(kernel_map.out_coords), tuple(kernel_map.out_tensor_stride), "output"
+        coords, ts, side = kernel_map.out_coords, tuple(kernel_map.out_tensor_stride), "output"
     else:
-        n, ts, side = len(kernel_map.in_coords), tuple(kernel_map.tensor_stride), "input"
-    if len(x) != n:
+        coords, ts, side = kernel_map.in_coords, tuple(kernel_map.tensor_stride), "input"
+    hint = ("For transposed=True pass the map of the strided layer whose output x is "
+            "(y.kernel_map)." if transposed else
+            "Pass the map of a layer whose input coordinates are x's.")
+    where = _where(layer)
+    if len(x) != len(coords):
         raise ValueError(
-            f"kernel_map does not fit x: its {side} side has {n} coordinates, x has {len(x)}. "
-            + ("For transposed=True pass the map of the strided layer whose output x is "
-               "(y.kernel_map)." if transposed else
-               "Pass the map of a layer whose input coordinates are x's."))
+            f"{where}kernel_map does not fit x: its {side} side has {len(coords)} coordinates, x has "
+            f"{len(x)}. " + hint)
     if tuple(x.stride) != ts:
         raise ValueError(
-            f"kernel_map was built for tensor stride {ts} on its {side} side, but x has stride "
+            f"{where}kernel_map was built for tensor stride {ts} on its {side} side, but x has stride "
             f"{tuple(x.stride)}")
+    if not same_coordinates(coords, x.coords):
+        raise ValueError(
+            f"{where}kernel_map was built on other coordinates than x's: both have {len(x)} points, "
+            f"but not the same ones, so its pairs would read the wrong rows. " + hint)
 
 
 def resolve_tiles(tile_size, c_in, c_out, n_in, n_out, dtype, K, transposed, layer=None):
@@ -220,30 +150,39 @@ def _prepare_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_
     """Checks, the Map step (unless a map is given) and the metadata.
 
     Returns ``(features, weight, km, plan)`` on the backend's side, where ``km`` is
-    the map actually used (the transposed one for a transposed layer) and
-    ``weight`` is indexed like ``km.offsets``.
+    the map the layer reads (for a transposed layer: the strided map it reads
+    backwards) and ``weight`` is indexed like ``km.offsets``; ``plan.n_out`` is
+    the number of output rows.
     """
     f, w, km = _map_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map, backend)
     lr = _launch_rows(launch_rows, w)
+    if transposed:
+        return f, w, km, _layer_plan(km, sort, max_padding, solo_rows, launch_rows, lr, backend).transposed()
     return f, w, km, build_plan(km, sort, max_padding, solo_rows, backend=backend, launch_rows=lr)
 
 
-def _layer_plan(km, sort, max_padding, solo_rows, launch_rows, backend):
-    """The metadata of a *given* map under this policy, built once and kept on the map.
+def _layer_plan(km, sort, max_padding, solo_rows, launch_rows, priced_rows, backend):
+    """The metadata of a map under this policy, built once and kept on the map.
 
     A plan depends on the map and the grouping policy only (not on features,
     weights or channels), so layers that share a map (``kernel_map=``) share its
     plan, as spconv's layers that share an ``indice_key`` share their pairs: the
     second and later ones skip the metadata kernels (~50 us on SemanticKITTI,
-    ~150 us on 1M voxels). Only a map passed in again keeps its plan (the
-    latest policy's), so memory is held (the slots, 4 K (|P| + |Q|) bytes) only
-    where a map is reused.
+    ~150 us on 1M voxels). The transposed layer that inverts a strided layer
+    reads that layer's plan backwards (:meth:`numba_sc.metadata.GmasPlan.transposed`),
+    so it builds nothing at all.
+
+    ``launch_rows`` is the argument: None (price a launch by the channels,
+    ``priced_rows``) accepts a kept plan priced by another layer's channels,
+    since the pricing only decides how offsets are grouped into GEMMs, never
+    the result. Memory (the slots, 4 K (|P| + |Q|) bytes) is held as long as
+    the map is.
     """
     key = (sort, max_padding, solo_rows, launch_rows, backend)
     kept = getattr(km, "_plan", None)
     if kept is not None and kept[0] == key:
         return kept[1]
-    plan = build_plan(km, sort, max_padding, solo_rows, backend=backend, launch_rows=launch_rows)
+    plan = build_plan(km, sort, max_padding, solo_rows, backend=backend, launch_rows=priced_rows)
     try:
         km._plan = (key, plan)
     except AttributeError:  # a map-like object that takes no new attribute: no reuse
@@ -262,29 +201,33 @@ def _launch_rows(launch_rows, w):
 
 
 def _map_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map, backend,
-               while_reading=None):
+               while_reading=None, layer=None):
     """:func:`_prepare_layer` up to the metadata: ``(features, weight, km)``.
+
+    ``km`` is the map the layer reads: its own or the one given; for a
+    transposed layer, the strided map it inverts (read backwards by the plan;
+    ``weight`` stays indexed like that map's offsets).
 
     ``while_reading(m, features, weight)``: see ``build_kernel_map``'s
     ``while_reading``; called only when this layer builds its own map (and only
     on the kernel path), after the weight has been checked.
     """
     if not isinstance(x, SparseTensor):
-        raise TypeError(f"x must be a numba_sc.SparseTensor, got {type(x).__name__}")
+        raise TypeError(f"{_where(layer)}x must be a numba_sc.SparseTensor, got {type(x).__name__}")
     move = to_host if backend == "reference" else to_device
     if transposed:
         if kernel_map is None:
             raise ValueError(
-                "transposed=True needs kernel_map=: the map of the strided layer it inverts, "
-                "e.g. y = sparse_conv3d(x, w, stride=2); "
+                f"{_where(layer)}transposed=True needs kernel_map=: the map of the strided layer it "
+                "inverts, e.g. y = sparse_conv3d(x, w, stride=2); "
                 "sparse_conv3d(y, w2, transposed=True, kernel_map=y.kernel_map)")
-        _check_map_fits(x, kernel_map, True)
-        km = kernel_map.transposed()
+        _check_map_fits(x, kernel_map, True, layer)
+        km = kernel_map
     elif kernel_map is None:
         # The weight is checked before the Map step, so that work queued during
         # the step's read (while_reading) only ever sees a weight of the right shape.
         ks, *_, offsets, _ = _layer_args(kernel_size, stride, dilation, x.stride)
-        _check_weight(weight, len(offsets), x.channels, x.features.dtype, ks)
+        _check_weight(weight, len(offsets), x.channels, x.features.dtype, ks, layer)
         f, w = move(x.features), move(weight)
         hook = None if while_reading is None else (lambda m: while_reading(m, f, w))
         # x.coords are sorted and unique, so km.in_coords == x.coords and
@@ -293,15 +236,10 @@ def _map_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map,
                               backend=backend, assume_sorted=True, masks=True, while_reading=hook)
         return f, w, km
     else:
-        _check_map_fits(x, kernel_map, False)
+        _check_map_fits(x, kernel_map, False, layer)
         km = kernel_map
-    _check_weight(weight, len(km.offsets), x.channels, x.features.dtype, km.kernel_size)
-    f, w = move(x.features), move(weight)
-    if transposed:
-        # The transposed map lists offsets reversed (T.offsets = -offsets[::-1]):
-        # its offset K-1-k is the strided layer's offset k, whose weight is W[k].
-        w = _xp(w).ascontiguousarray(w[::-1])
-    return f, w, km
+    _check_weight(weight, len(km.offsets), x.channels, x.features.dtype, km.kernel_size, layer)
+    return move(x.features), move(weight), km
 
 
 def gmas(features, weight, plan, tiles=(1, 1), backend=None, init=None):
@@ -349,16 +287,18 @@ def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=Fal
     transposed : bool
         Upsampling: ``kernel_map`` must be the map of the strided layer this one
         inverts (``y.kernel_map`` of that layer's output ``y``, which is ``x``).
+        Nothing is built: the strided layer's metadata are read backwards.
     kernel_map : KernelMap, optional
-        Reuse a map (no second Map step): for a forward layer, its input side must
-        be ``x``'s coordinates. A map passed in also keeps the metadata built from
-        it (the latest grouping policy's), so the next layer given it skips that too.
+        Reuse a map (no second Map step): for a forward layer, it must have been
+        built on ``x``'s coordinates. A map passed in also keeps the metadata built
+        from it, so the next layer given it skips that too; so does a strided
+        layer's own map, for the transposed layer that will invert it.
     backend : None | "cuda" | "reference"
     tile_size : None | int | (int, int)
         Gather and scatter tile sizes (channels per thread). None: the autotuned
         choice for this ``layer`` (see :func:`numba_sc.autotune`), else a heuristic.
     layer : hashable, optional
-        Names the layer for the autotuning cache.
+        Names the layer, for the autotuning cache and in error messages.
     sort_offsets, max_padding, solo_rows, launch_rows
         The GEMM grouping policy (:mod:`numba_sc.gemm_grouping`). ``launch_rows``:
         the padding rows one GEMM launch is worth; None prices it by the
@@ -366,8 +306,20 @@ def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=Fal
         ``max_padding`` alone, as in the paper.
 
     Returns a :class:`SparseTensor` on the output coordinates with the output
-    tensor stride, its ``kernel_map`` set to the map used.
+    tensor stride, its ``kernel_map`` set to the map used (for a transposed
+    layer, the strided map's :meth:`~numba_sc.KernelMap.transposed`, made when
+    first read).
     """
+    return _conv(x, weight, kernel_size, stride, dilation, transposed, kernel_map, backend,
+                 tile_size, layer, sort_offsets, max_padding, solo_rows, launch_rows)
+
+
+def _conv(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False, kernel_map=None,
+          backend=None, tile_size=None, layer=None, sort_offsets=True,
+          max_padding=gg.DEFAULT_MAX_PADDING, solo_rows=gg.DEFAULT_SOLO_ROWS, launch_rows=None,
+          keep_plan=False):
+    """:func:`sparse_conv3d`, and ``keep_plan``: keep the plan on a map the layer builds
+    itself (:mod:`numba_sc.nn` keeps every map it builds, for the layers after it)."""
     bk = resolve_backend(backend)
     queued = []  # (centre, product) when queued during the Map step's read
 
@@ -383,10 +335,10 @@ def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=Fal
             queued.append((c, gg.centre_product_cuda(f, w, c)))
 
     f, w, km = _map_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map, bk,
-                          queue_centre if bk == "cuda" else None)
+                          queue_centre if bk == "cuda" else None, layer)
     init = None
     if bk == "cuda":
-        centre = submanifold_centre(km)
+        centre = submanifold_centre(km)  # (-1 for a strided map, read backwards or not)
         if queued and queued[0][0] == centre:
             init = queued[0][1]
         elif centre >= 0:
@@ -394,13 +346,21 @@ def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=Fal
             # while the host works out the buffer layout (~80 us of Python).
             init = gg.centre_product_cuda(f, w, centre)
     lr = _launch_rows(launch_rows, w)
-    if kernel_map is not None and not transposed:  # a map reused: so may its plan be
-        plan = _layer_plan(km, sort_offsets, max_padding, solo_rows, lr, bk)
+    strided = tuple(km.stride) != (1, 1, 1)
+    if kernel_map is not None or keep_plan or (strided and not transposed):
+        # a map reused (so may its plan be), or kept for later layers: a strided
+        # map's plan is read backwards by the transposed layer that inverts it
+        plan = _layer_plan(km, sort_offsets, max_padding, solo_rows, launch_rows, lr, bk)
     else:
         plan = build_plan(km, sort_offsets, max_padding, solo_rows, backend=bk, launch_rows=lr)
+    if transposed:
+        plan = plan.transposed()
     n_out = plan.n_out
     tiles = resolve_tiles(tile_size, w.shape[1], w.shape[2], f.shape[0], n_out, f.dtype,
                           w.shape[0], transposed, layer)
     out = gmas(f, w, plan, tiles, bk, init)
+    if transposed:
+        return SparseTensor._trusted(like(km.in_coords, x.coords), like(out, x.features),
+                                     km.tensor_stride, km.transposed)
     return SparseTensor._trusted(like(km.out_coords, x.coords), like(out, x.features),
-                                 km.out_tensor_stride, km)
+                                 km.out_tensor_stride, km, None if strided else x.maps)

@@ -280,6 +280,21 @@ class GmasPlan:
         partial result through offset k, or -1. The dense view of ``out_lists``."""
         return self._table("out")
 
+    def transposed(self) -> "GmasPlan":
+        """The plan of the transposed convolution that reads this plan's map backwards.
+
+        A pair (input p, output q, offset k) of the map is, for the transposed
+        layer, a pair from q to p through the same weight ``W[k]``. It keeps its
+        buffer row: the gather copies q's features to the rows of q's list (the
+        output lists here), the same grouped GEMMs multiply them by the same
+        ``W[k]``, and the scatter sums the rows of p's list (the input lists here)
+        into p. So nothing is built: the two lists change roles. A submanifold
+        centre stays the centre (it maps every point to itself either way).
+        """
+        return GmasPlan(self.counts, self.order, self.groups, self.base, self.rows, self.centre,
+                        self.out_lists, self.in_lists, self.policy, self._report,
+                        {{"in": "out", "out": "in"}[s]: t for s, t in self._tables.items()})
+
     @property
     def report(self) -> dict:
         """:func:`numba_sc.gemm_grouping.padding_report` of this layer (sorted vs map
