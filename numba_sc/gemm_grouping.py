@@ -275,13 +275,25 @@ def centre_product_cuda(features, weight, centre):
     """``features @ weight[centre]`` as one cuBLAS call (the submanifold centre)."""
     if simulating():
         return matmul(features, weight[centre])
+    c_in, c_out = weight.shape[1], weight.shape[2]
+    return _product(features, weight.data.ptr + centre * c_in * c_out * weight.itemsize, c_out)
+
+
+def matmul_cuda(features, matrix):
+    """``features @ matrix`` for a (C_in, C_out) matrix on the device, as one cuBLAS
+    call: a 1x1x1 convolution or a linear layer on every point."""
+    if simulating():
+        return matmul(features, matrix)
+    return _product(features, matrix.data.ptr, matrix.shape[1])
+
+
+def _product(features, w_ptr, c_out):
+    """(N, C_in) features times the row-major (C_in, C_out) matrix at ``w_ptr``."""
     cupy, cublas = _gpu()
     n, c_in = features.shape
-    c_out = weight.shape[2]
     out = cupy.empty((n, c_out), dtype=features.dtype)
     t = _CUDA_TYPE[features.dtype]
-    w = weight.data.ptr + centre * c_in * c_out * weight.itemsize
-    cublas.gemmEx(cupy.cuda.device.get_cublas_handle(), 0, 0, c_out, n, c_in, _ONE_PTR, w, t, c_out,
+    cublas.gemmEx(cupy.cuda.device.get_cublas_handle(), 0, 0, c_out, n, c_in, _ONE_PTR, w_ptr, t, c_out,
                   features.data.ptr, t, c_in, _ZERO_PTR, out.data.ptr, t, c_out, _COMPUTE_32F, _GEMM_DEFAULT)
     return out
 
