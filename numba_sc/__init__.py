@@ -17,13 +17,20 @@ NumPy reference and the CUDA kernels (Numba), in the order of the paper:
     gemm_grouping    9. offsets sorted by pair count, grouped into batched GEMMs
     scatter          10. tiled scatter-sum of partial results, no atomics
     autotune         11. tile sizes per layer (Algorithm 2)
-    conv             SparseTensor and sparse_conv3d: Map + GMaS assembled
+    tensor           SparseTensor: coordinates, features, the maps built on them
+    conv             sparse_conv3d: Map + GMaS assembled
+    pointwise        between the convolutions: BatchNorm, ReLU, residual add, concat
+    nn               layers that hold their weights; maps kept on the tensors
+    models           SparseResNet21 and MinkUNet42 (the paper's two networks)
+    spconv_format    weights from and to spconv's layout
     trace, check     every intermediate of a layer; kernel-vs-reference per stage
 """
 from .backend import gpu_present, resolve_backend, simulating
 from .conventions import kernel_offsets, key_delta, pack_keys, unpack_keys
 from .autotune import TileChoice, autotune, heuristic_tile
-from .conv import SparseTensor, sparse_conv3d
+from .conv import sparse_conv3d
+from .tensor import SparseTensor
+from . import models, nn, spconv_format
 from .gemm_grouping import padding_report
 from .kernel_map import KernelMap, build_kernel_map
 from .metadata import GmasPlan, build_plan, grouping_report
