@@ -15,18 +15,22 @@ the same size on both sides of the origin. Strides may differ per axis; the batc
 column is carried unchanged, so clouds of a batch never merge.
 
 GPU pipeline: ``downsample_pack_kernel`` (one thread per input coordinate), then
-the library sort and the unique passes of :mod:`numba_sc.sorting`, then the
-unpack kernel of voxelization. Bytes for N inputs: 12-16N read, 8N written,
-then the sort/unique traffic (~60N).
+the library sort of the keys and the unique passes of :mod:`numba_sc.sorting`
+(:func:`~numba_sc.sorting.sort_unique_keys_cuda`: no order, no inverse: only the
+keys are needed), then the unpack kernel of voxelization. Bytes for N inputs:
+12-16N read, 8N written, then the sort/unique traffic (~40N). One device->host
+read, of the unique count (with the range flag): the host sizes the output by it.
 """
 from __future__ import annotations
+
+from functools import lru_cache
 
 import numpy as np
 from numba import cuda
 
 from . import conventions as cv
-from .backend import device_xp, launch, like, resolve_backend, to_device, to_host
-from .sorting import sort_unique_cuda, sort_unique_reference
+from .backend import device_xp, filled, launch, like, resolve_backend, to_device, to_host
+from .sorting import sort_unique_keys_cuda, sort_unique_reference
 from .voxelization import unpack_kernel
 
 
@@ -60,12 +64,12 @@ def output_coordinates_reference(coords, stride, tensor_stride=1):
 
 
 @cuda.jit
-def downsample_pack_kernel(coords, s, sx, sy, sz, keys, flag):
+def downsample_pack_kernel(coords, s, sx, sy, sz, keys, report):
     """One thread per input coordinate: key of floor(c / stride) * stride.
 
     Numba's integer ``//`` follows Python: it floors, also for negatives. A
     coordinate whose snapped value (or batch index) leaves the packable range
-    sets ``flag[0]`` instead of wrapping; the host then explains the error.
+    sets ``report[0]`` instead of wrapping; the host then explains the error.
     """
     i = cuda.grid(1)
     if i < coords.shape[0]:
@@ -78,26 +82,46 @@ def downsample_pack_kernel(coords, s, sx, sy, sz, keys, flag):
             keys[i] = cv.pack_key_device(b, x, y, z)
         else:
             keys[i] = 0
-            flag[0] = 1
+            report[0] = 1
 
 
 def output_coordinates_cuda(coords, stride, tensor_stride=1):
+    """Kernel path: pack the snapped coordinates, sort and de-duplicate the keys, unpack.
+
+    One device->host read: a two-number report (out of range?, how many unique
+    keys), which the host needs to size the output anyway.
+    """
     # Shape and dtype here; the range inside the kernel (no min/max reductions).
     coords = cv.validate_coords(coords, "coords", check_range=False)
-    st = _total_stride(stride, tensor_stride)
+    sx, sy, sz = _strides(stride, tensor_stride)
     xp = device_xp()
     c = to_device(coords)
     n, s = c.shape[0], c.shape[1] - 3
     keys = xp.empty(n, dtype=np.int64)
-    flag = xp.zeros(1, dtype=np.int32)
-    launch(downsample_pack_kernel, n, c, s, int(st[0]), int(st[1]), int(st[2]), keys, flag)
-    if int(flag[0]):
+    report = filled(2, np.int64, 0)  # [out of range, unique keys]
+    launch(downsample_pack_kernel, n, c, s, sx, sy, sz, keys, report)
+    ukeys = sort_unique_keys_cuda(keys, report, 1)
+    flagged, m = (int(v) for v in to_host(report))
+    if flagged:
         _prepare(to_host(c), stride, tensor_stride)  # raises the precise error
         raise AssertionError("downsample_pack_kernel flagged a coordinate the host check accepts")
-    su = sort_unique_cuda(keys)
-    out = xp.empty((su.keys.shape[0], 3 + s), dtype=np.int32)
-    launch(unpack_kernel, su.keys.shape[0], su.keys, s, out)
+    out = xp.empty((m, 3 + s), dtype=np.int32)
+    launch(unpack_kernel, m, ukeys, s, out)
     return out
+
+
+def _strides(stride, tensor_stride):
+    """``s * t`` per axis as three Python ints, remembered per argument pair (every call
+    of a layer asks the same; an unhashable argument is worked out afresh)."""
+    try:
+        return _strides_of(stride, tensor_stride)
+    except TypeError:
+        return tuple(int(v) for v in _total_stride(stride, tensor_stride))
+
+
+@lru_cache(maxsize=256)
+def _strides_of(stride, tensor_stride):
+    return tuple(int(v) for v in _total_stride(stride, tensor_stride))
 
 
 def output_coordinates(coords, stride, tensor_stride=1, backend=None):

@@ -120,6 +120,20 @@ def permute_kernel(keys, order, coords, skeys, scoords, dups):
             cuda.atomic.add(dups, 0, 1)
 
 
+@cuda.jit
+def compact_keys_kernel(skeys, head, run, ukeys, report, slot):
+    """One thread per sorted position: a run's first key goes to ``ukeys[run - 1]``
+    (``run`` is the inclusive scan of ``head``); the last thread writes the number
+    of unique keys into ``report[slot]``."""
+    i = cuda.grid(1)
+    n = skeys.shape[0]
+    if i < n:
+        if head[i]:
+            ukeys[run[i] - 1] = skeys[i]
+        if i == n - 1:
+            report[slot] = run[i]
+
+
 def sort_rows_reference(keys, coords):
     """Sorted keys, the order, the coordinate rows in that order, and the number of
     repeated keys: the NumPy twin of :func:`sort_rows_cuda`."""
@@ -155,3 +169,24 @@ def sort_unique_cuda(keys) -> SortedUnique:
     inverse = xp.empty(n, dtype=np.int64)
     launch(compact_kernel, n, skeys, order.astype(np.int64), head, run, ukeys, starts, inverse)
     return SortedUnique(ukeys, order.astype(np.int64), starts, inverse)
+
+
+def sort_unique_keys_cuda(keys, report, slot):
+    """The unique keys alone, ascending, for a caller that needs neither the order nor
+    the inverse (the output coordinates of a strided layer): the library sort of the
+    keys themselves, :func:`mark_heads_kernel`, a library scan, :func:`compact_keys_kernel`.
+
+    Returns an array of ``len(keys)`` whose first M entries are the unique keys;
+    M is written into ``report[slot]`` on the device, for the caller to read with
+    whatever else it reads (no device->host copy here). The NumPy twin is
+    ``sort_unique_reference(keys).keys``.
+    """
+    xp = device_xp()
+    n = keys.shape[0]
+    skeys = xp.sort(keys)
+    head = xp.empty(n, dtype=np.int32)
+    launch(mark_heads_kernel, n, skeys, head)
+    run = xp.cumsum(head)
+    ukeys = xp.empty(n, dtype=np.int64)  # the first M entries are written
+    launch(compact_keys_kernel, n, skeys, head, run, ukeys, report, slot)
+    return ukeys

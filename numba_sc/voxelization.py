@@ -167,9 +167,10 @@ def quantize_kernel(points, s, vx, vy, vz, keys, flag):
 
 @cuda.jit
 def unpack_kernel(ukeys, s, coords):
-    """One thread per voxel: its key back to (batch,) x, y, z int32 columns."""
+    """One thread per voxel: its key back to (batch,) x, y, z int32 columns (one row of
+    ``coords`` per key; ``ukeys`` may hold more)."""
     m = cuda.grid(1)
-    if m < ukeys.shape[0]:
+    if m < coords.shape[0]:
         k = ukeys[m]
         if s == 1:
             coords[m, 0] = k >> cv.SHIFT_B

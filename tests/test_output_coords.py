@@ -65,3 +65,18 @@ def test_bad_inputs():
     edge = np.array([[ns.conventions.COORD_MIN, 0, 0]], np.int32)
     with pytest.raises(ValueError, match="packable"):
         ns.output_coordinates(edge, 3)  # floor(-131072 / 3) * 3 = -131073 leaves the range
+
+
+def test_sort_unique_keys_kernel(rng):
+    """The keys-only unique of strided layers: the first M entries are np.unique's, M is
+    written into the report slot asked for, and no other slot."""
+    from numba_sc.backend import to_host
+    from numba_sc.sorting import sort_unique_keys_cuda
+
+    for n, span in [(1, 5), (300, 40), (700, 9000)]:
+        keys = rng.integers(-span, span, size=n).astype(np.int64)
+        report = np.full(3, -5, np.int64)
+        got = to_host(sort_unique_keys_cuda(keys, report, 2))
+        want = np.unique(keys)
+        assert report[2] == len(want) and report[0] == report[1] == -5
+        np.testing.assert_array_equal(got[:len(want)], want)
