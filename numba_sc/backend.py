@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import struct
 import sys
 import threading
 
@@ -436,11 +437,12 @@ class FastLauncher:
     written into one ``array('q')`` per kernel signature, and the driver's
     ``cuLaunchKernel`` - through CuPy's thin Cython binding - gets an array of
     pointers to its slots, made once (a parameter narrower than 8 bytes reads the
-    low bytes of its slot: little-endian). The driver copies the values at the
-    call, so the slots can be rewritten at once; a lock keeps two threads from
-    writing them together. Kernels with a float scalar go through
-    ``cuda.core.launch`` instead, as Numba itself does (``raw = False`` sends
-    every kernel that way, for comparisons).
+    low bytes of its slot: little-endian). A float scalar goes in as the integer
+    with its bits (a Python float is a float64 parameter; a NumPy float32 its
+    four bytes). The driver copies the values at the call, so the slots can be
+    rewritten at once; a lock keeps two threads from writing them together.
+    ``raw = False`` sends every kernel through ``cuda.core.launch``, as Numba
+    itself launches, for comparisons.
 
     (Tried and dropped: the same driver call through ``cuda.bindings``, 15.6 us a
     launch on the H100 against 13.5 us for ``cuda.core.launch``; through
@@ -449,7 +451,7 @@ class FastLauncher:
     """
 
     def __init__(self):
-        self._compiled = {}  # (dispatcher, key) -> (cuda.core kernel, packers, _RawParams or None)
+        self._compiled = {}  # (dispatcher, key) -> (cuda.core kernel, packers, _RawParams, raw packers)
         self._streams = {}
         self._configs = {}  # (grid, threads) -> LaunchConfig, made once
         self._array_types = set()  # CuPy's ndarray class, once seen
@@ -479,7 +481,8 @@ class FastLauncher:
 
     def learn(self, kernel, args):
         """After an ordinary launch: remember the overload that just ran, and how to
-        pass each argument (``None``: an array struct; else a ctypes constructor)."""
+        pass each argument (``None``: an array struct; else a ctypes constructor for
+        ``cuda.core``, and for the driver's slots None (as it is) or a float's bits)."""
         key = self._key(args)
         if key is None or (kernel, key) in self._compiled:
             return
@@ -489,29 +492,32 @@ class FastLauncher:
             types = tuple(kernel.typeof_pyval(a) for a in args)
             compiled = kernel.overloads[types]
             core_kernel = compiled._codelibrary.get_cufunc().kernel
-            packers, n_params, integral = [], 0, True
+            packers, bits, n_params = [], [], 0
             for ty in compiled.argument_types:
                 if isinstance(ty, nbtypes.Array):
                     packers.append(None)
+                    bits.append(None)
                     n_params += 5 + 2 * ty.ndim
                     continue
                 if isinstance(ty, nbtypes.Integer):
                     packers.append(getattr(ctypes, f"c_{ty}"))
+                    bits.append(None)
                 elif ty == nbtypes.boolean:
                     packers.append(bool)
+                    bits.append(None)
                 elif ty == nbtypes.float64:
                     packers.append(ctypes.c_double)
-                    integral = False
+                    bits.append(_float64_bits)
                 elif ty == nbtypes.float32:
                     packers.append(ctypes.c_float)
-                    integral = False
+                    bits.append(_float32_bits)
                 else:
                     return  # an argument kind this class does not pack: slow path
                 n_params += 1
-            raw = _RawParams(int(core_kernel.handle), n_params) if integral else None
+            raw = _RawParams(int(core_kernel.handle), n_params)
         except Exception:  # an internal moved in another numba-cuda: stay on the slow path
             return
-        self._compiled[(kernel, key)] = (core_kernel, tuple(packers), raw)
+        self._compiled[(kernel, key)] = (core_kernel, tuple(packers), raw, tuple(bits))
 
     def _config(self, grid, threads):
         from cuda.core import LaunchConfig
@@ -546,6 +552,9 @@ class FastLauncher:
             elif t is int or t is bool:
                 key.append(t)
                 flat.append(a)
+            elif t is float:  # a float64 parameter: its eight bytes, as an integer
+                key.append(t)
+                flat.append(_float64_bits(a))
             else:
                 return self._launch_typed(kernel, grid, threads, stream_ptr, args)
         entry = self._compiled.get((kernel, tuple(key)))
@@ -565,15 +574,17 @@ class FastLauncher:
         entry = self._compiled.get((kernel, key)) if key is not None else None
         if entry is None:
             return False
-        core_kernel, packers, raw = entry
+        core_kernel, packers, raw, bits = entry
         on_raw = raw is not None and self.raw
         flat = []
-        for pack, a in zip(packers, args):
+        for pack, to_bits, a in zip(packers, bits, args):
             if pack is None:  # the array struct, field by field (a piece has it ready)
                 flat += a.flat if type(a) is Piece else (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape,
                                                          *a.strides)
-            else:  # a scalar: as it is into an 8-byte slot, or typed for cuda.core
-                flat.append(a if on_raw else pack(a))
+            elif on_raw:  # a scalar into an 8-byte slot: as it is, or a float's bits
+                flat.append(a if to_bits is None else to_bits(a))
+            else:  # typed for cuda.core
+                flat.append(pack(a))
         if on_raw:
             raw.launch(flat, grid, threads, stream_ptr)
             return True
@@ -585,6 +596,19 @@ class FastLauncher:
             config = self._config(grid, threads)
         _core_launch()(core_stream, config, core_kernel, *flat)
         return True
+
+
+def _float64_bits(v) -> int:
+    """The eight bytes of ``v`` as a float64, read as a signed integer (a driver slot)."""
+    return _Q.unpack(_D.pack(v))[0]
+
+
+def _float32_bits(v) -> int:
+    """The four bytes of ``v`` as a float32, as an integer (the slot's low bytes)."""
+    return _I.unpack(_F.pack(v))[0]
+
+
+_Q, _D, _I, _F = (struct.Struct(f) for f in ("<q", "<d", "<i", "<f"))
 
 
 class _RawParams:

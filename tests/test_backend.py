@@ -32,7 +32,12 @@ def test_fast_launch_matches_dispatcher(monkeypatch):
         out = cupy.full(5000, np.nan, np.float32)
         backend.launch(mixed_kernel, 5000, a, b, 1.5, 7, flip, out, threads=128)
         np.testing.assert_allclose(out.get(), -expect if flip else expect, rtol=1e-5, atol=1e-5)
-    assert any(k[0] is mixed_kernel for k in backend._FAST._compiled)
+    (entry,) = [v for k, v in backend._FAST._compiled.items() if k[0] is mixed_kernel]
+    assert entry[2] is not None  # a float scalar goes through the driver's slots too (its bits)
+    out = cupy.full(5000, np.nan, np.float32)  # a NumPy float32 scalar: another signature, learned
+    for _ in range(2):
+        backend.launch(mixed_kernel, 5000, a, b, np.float32(-0.25), 7, False, out, threads=128)
+        np.testing.assert_allclose(out.get(), (a[:, 0] * -0.25 + a[:, 1] + b + 7).get(), rtol=1e-5, atol=1e-5)
     # A non-contiguous view is a different signature: it is learned, not mixed up.
     out2 = cupy.zeros(10000, np.float32)[::2]
     backend.launch(mixed_kernel, 5000, a, b, 1.5, 7, False, out2)
