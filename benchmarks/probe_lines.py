@@ -102,6 +102,7 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--layer", action="store_true", help="also a 64->64 layer")
+    ap.add_argument("--strided", action="store_true", help="also a strided layer (kernel 2, stride 2, 32->32)")
     ap.add_argument("--wrap", action="store_true", help="per-function wrappers instead of the line tracer")
     ap.add_argument("--points", type=int, default=0, help="first N voxels only (for a simulator try-out)")
     args = ap.parse_args()
@@ -132,6 +133,15 @@ def main():
             fns += [f for f in vars(mod).values() if callable(f) and getattr(f, "__module__", "") == mod.__name__
                     and hasattr(f, "__code__")]
         fns += [metadata.GmasPlan.__init__] if hasattr(metadata, "GmasPlan") else []
+    if args.strided:
+        from numba_sc import output_coords, sorting
+        rng = np.random.default_rng(0)
+        xs = ns.SparseTensor(coords, xp.asarray(rng.normal(size=(len(coords), 32)).astype(np.float32)))
+        ws = xp.asarray(rng.normal(size=(8, 32, 32)).astype(np.float32) / 8)
+        work["strided k2 s2 32->32"] = lambda: ns.sparse_conv3d(xs, ws, 2, stride=2)
+        fns += [output_coords.output_coordinates, output_coords.output_coordinates_cuda,
+                sorting.sort_unique_keys_cuda, conv._conv, conv._map_layer, conv._layer_plan, conv.gmas,
+                metadata.build_plan_cuda, metadata._layout, metadata._device_layout]
     if args.wrap:
         import numba_sc.conv as conv_mod
         targets = [(kernel_map, n) for n in ("_layer", "_Work", "_search_cuda", "_check_report", "_finish_cuda",

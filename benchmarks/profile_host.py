@@ -1,13 +1,18 @@
-"""Where the host time of one layer goes: cProfile of repeated calls on the GPU.
+"""Where the host time of a layer goes: cProfile of repeated calls on the GPU.
 
-    . benchmarks/gpu_env.sh; python3 benchmarks/profile_host.py
+    . benchmarks/gpu_env.sh; python3 benchmarks/profile_host.py [--net unet42] [--dtype float16]
 
-Prints the functions with the most own time for build_kernel_map and for a whole
-64 -> 64 submanifold layer on SemanticKITTI at 0.05 m. Never runs in CI.
+Runs a network of :mod:`numba_sc.models` once on SemanticKITTI at 0.05 m,
+records its layer calls, and for the first layer of each kind (strided,
+submanifold reusing a map, transposed, BatchNorm) and for the whole network
+prints the wall time per call and the functions with the most own time.
+Never runs in CI.
 """
+import argparse
 import cProfile
 import pstats
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,27 +24,58 @@ def main():
     import cupy
 
     import numba_sc as ns
+    from numba_sc import models, nn
 
-    data = Path(sys.argv[1] if len(sys.argv) > 1 else ".devdata")
-    scan = np.fromfile(data / "semantickitti_000000.bin", np.float32).reshape(-1, 4)
-    coords = ns.voxelize(np.ascontiguousarray(scan[:, :3]), 0.05, backend="reference").coords
-    c = cupy.asarray(coords)
-    x = ns.SparseTensor(c, cupy.asarray(np.random.default_rng(0).normal(size=(len(c), 64)).astype(np.float32)))
-    w = cupy.asarray(np.random.default_rng(1).normal(size=(27, 64, 64)).astype(np.float32))
-    for name, fn in [("build_kernel_map", lambda: ns.build_kernel_map(c, 3)),
-                     ("build_kernel_map assume_sorted", lambda: ns.build_kernel_map(x.coords, 3, assume_sorted=True)),
-                     ("sparse_conv3d 64->64", lambda: ns.sparse_conv3d(x, w, 3, tile_size=(16, 8)))]:
-        for _ in range(5):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", default=".devdata")
+    ap.add_argument("--net", default="unet42")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--calls", type=int, default=100)
+    args = ap.parse_args()
+    scan = np.fromfile(Path(args.data) / "semantickitti_000000.bin", np.float32).reshape(-1, 4)
+    v = ns.voxelize(np.ascontiguousarray(scan[:, :3]), 0.05, features=scan, backend="reference")
+    model = (models.MinkUNet42(4, 19) if args.net == "unet42" else models.SparseResNet21(4))
+    model.to(np.dtype(args.dtype)).cuda()
+    x = ns.SparseTensor(cupy.asarray(v.coords), cupy.asarray(v.features.astype(args.dtype)))
+    first = {}
+
+    def obs(m, a, y, kw):
+        if isinstance(m, nn.SparseInverseConv3d):
+            kind = "transposed"
+        elif isinstance(m, nn.SparseConv3d) and m.stride != (1, 1, 1):
+            kind = "strided"
+        elif isinstance(m, nn.SubMConv3d) and not m.pointwise and a.maps.subm:
+            kind = "subm"
+        elif isinstance(m, nn.BatchNorm):
+            kind = "batchnorm"
+        else:
+            return
+        if kind not in first:
+            fresh = kind == "strided"
+            first[kind] = (m.name, (lambda m=m, a=a: m(a.without_maps())) if fresh else
+                           (lambda m=m, a=a, kw=kw: m(a, **kw)))
+
+    with nn.observe(obs):
+        model(x.without_maps())
+    first["network"] = ("whole", lambda: model(x.without_maps()))
+    for kind, (name, fn) in first.items():
+        for _ in range(10):
             fn()
-        cupy.cuda.Device().synchronize()
+        cupy.cuda.runtime.deviceSynchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.calls):
+            fn()
+        cupy.cuda.runtime.deviceSynchronize()
+        wall = (time.perf_counter() - t0) / args.calls * 1e3
         prof = cProfile.Profile()
         prof.enable()
-        for _ in range(50):
+        for _ in range(args.calls):
             fn()
-        cupy.cuda.Device().synchronize()
+        cupy.cuda.runtime.deviceSynchronize()
         prof.disable()
-        print(f"==== {name}: 50 calls")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(int(sys.argv[2]) if len(sys.argv) > 2 else 18)
+        print(f"==== {kind} ({name}): {wall:.3f} ms a call, back to back, no profiler")
+        pstats.Stats(prof).strip_dirs().sort_stats("tottime").print_stats(args.top)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,474 @@
+#!/usr/bin/env python
+"""Benchmark whole networks: numba-sc's SparseResNet21 and MinkUNet42 beside spconv 2.3.8.
+
+Needs a CUDA GPU with CuPy, and PyTorch + spconv for the peers (the GPU
+machine; never CI). Example::
+
+    . benchmarks/gpu_env.sh
+    python3 benchmarks/bench_net.py --data .devdata --out net.json --layers
+
+For each network x cloud x dtype:
+
+1. the numba-sc model (seed 0), its BatchNorm statistics set from the cloud
+   itself (one training-mode pass with momentum 1, in fp32: the activations of
+   a trained network have unit scale, not the growth of random weights); the
+   same weights loaded into the spconv twins (``spconv_nets.py``), one per
+   algorithm (Native, MaskImplicitGemm);
+2. correctness: the outputs, rows matched by coordinates, as ||ours - spconv||
+   / ||spconv|| (targets: 1e-5 fp32, 1e-2 fp16);
+3. the forward pass, timed the way a user meets it: a new tensor each call (so
+   every map is built again, on both sides), wall clock between device-wide
+   synchronizes (work on every stream counts), the contenders interleaved call
+   by call, median of ``--reps`` after ``--warmup``;
+4. with ``--layers``: every layer alone, as it runs inside the network (its
+   input recorded from a network pass; a layer that built its map there builds
+   it again, one that reused a map reuses it), interleaved the same way, and
+   summed by kind: stem, submanifold (map built), submanifold (map reused),
+   strided, transposed, 1x1x1 (shortcuts), BatchNorm (+ReLU, +residual add),
+   classifier.
+
+Clouds: SemanticKITTI at 0.05 m, ScanNet and SUN RGB-D at 0.02 m (features:
+the voxel mean of the first four columns), and 1,000,000 random voxels in
+400^3 (random features). A short table goes to stdout, everything to ``--out``.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+from _record import recorded  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CLOUDS = {  # name -> (file, columns, voxel size)
+    "kitti": ("semantickitti_000000.bin", 4, 0.05),
+    "scannet": ("scannet_scene0000_00.bin", 6, 0.02),
+    "sunrgbd": ("sunrgbd_000017.bin", 6, 0.02),
+}
+NETS = ("resnet21", "unet42")
+
+
+def find_data(arg):
+    for d in [arg, ROOT.parent / "shared" / "data", ROOT / ".devdata"]:
+        if d and (Path(d) / CLOUDS["kitti"][0]).exists():
+            return Path(d)
+    raise FileNotFoundError("real scans not found in --data, ../shared/data or .devdata")
+
+
+def load_cloud(name, data):
+    """(sorted unique int32 coords (N, 3), float32 features (N, 4))."""
+    import numba_sc as ns
+
+    if name == "random":
+        from bench_conv import random_coords
+
+        c = random_coords()
+        f = np.random.default_rng(1).standard_normal((len(c), 4)).astype(np.float32)
+        x = ns.SparseTensor(c, f)
+        return np.asarray(x.coords), np.asarray(x.features)
+    fname, cols, vs = CLOUDS[name]
+    pts = np.fromfile(Path(data) / fname, np.float32).reshape(-1, cols)
+    v = ns.voxelize(pts[:, :3], vs, features=np.ascontiguousarray(pts[:, :4]), backend="reference")
+    return v.coords, v.features.astype(np.float32)
+
+
+# ----------------------------------------------------------------- timing
+def device_sync():
+    import cupy
+
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+def wall_interleaved(contenders, warmup, reps, block=4, seed=0):
+    """Median wall milliseconds of each contender's call, between device-wide
+    synchronizes; rounds in which every contender (shuffled) makes one untimed
+    call and ``block`` timed ones, until each has ``reps``."""
+    for fn in contenders.values():
+        for _ in range(warmup):
+            fn()
+    device_sync()
+    samples = {k: [] for k in contenders}
+    keys = list(contenders)
+    rng = np.random.default_rng(seed)
+    for _ in range(-(-reps // block)):
+        for key in [keys[i] for i in rng.permutation(len(keys))]:
+            fn = contenders[key]
+            fn()
+            device_sync()
+            for _ in range(block):
+                device_sync()
+                t0 = time.perf_counter()
+                fn()
+                device_sync()
+                samples[key].append((time.perf_counter() - t0) * 1e3)
+    return {k: {"ms": statistics.median(v), "all": [round(s, 4) for s in v]} for k, v in samples.items()}
+
+
+# ------------------------------------------------------------- the models
+def build_ours(net, in_channels):
+    from numba_sc import models
+
+    return models.SparseResNet21(in_channels) if net == "resnet21" else models.MinkUNet42(in_channels, 19)
+
+
+def build_spconv(net, in_channels, algo):
+    import spconv_nets
+    from spconv.core import ConvAlgo
+
+    a = getattr(ConvAlgo, algo)
+    m = spconv_nets.SparseResNet21(in_channels, algo=a) if net == "resnet21" else \
+        spconv_nets.MinkUNet42(in_channels, 19, algo=a)
+    return m.cuda().eval()
+
+
+def calibrated_state(net, coords, feats):
+    """The fp32 state dict of our model with BatchNorm statistics from this cloud."""
+    import cupy
+
+    import numba_sc as ns
+    from numba_sc import nn
+
+    m = build_ours(net, feats.shape[1]).cuda()
+    bns = m.modules(nn.BatchNorm)
+    for bn in bns:
+        bn.momentum = 1.0
+    m.train()
+    m(ns.SparseTensor(cupy.asarray(coords), cupy.asarray(feats)))
+    m.eval()
+    return m.state_dict()
+
+
+def spconv_output(y, lo, stride_of_index):
+    """(coords (M, 3) in finest voxels, features float64) of a spconv output."""
+    ind = y.indices.cpu().numpy()
+    return ind[:, 1:].astype(np.int64) * np.asarray(stride_of_index) + lo, y.features.float().cpu().numpy()
+
+
+def rel_err_by_coords(c_ours, f_ours, c_sp, f_sp):
+    """||ours - spconv|| / ||spconv||, rows matched by coordinates (both sets must agree)."""
+    import numba_sc as ns
+
+    ko = ns.pack_keys(np.ascontiguousarray(c_ours, dtype=np.int32))
+    ks = ns.pack_keys(np.ascontiguousarray(c_sp, dtype=np.int32))
+    if len(ko) != len(ks):
+        return float("inf"), f"{len(ko)} rows vs spconv's {len(ks)}"
+    oo, os_ = np.argsort(ko), np.argsort(ks)
+    if not np.array_equal(ko[oo], ks[os_]):
+        return float("inf"), "different coordinates"
+    a = np.asarray(f_ours, np.float64)[oo]
+    b = np.asarray(f_sp, np.float64)[os_]
+    if not np.isfinite(a).all():
+        return float("inf"), "ours has NaN/inf"
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)), ""
+
+
+# ---------------------------------------------------------- layer by layer
+KINDS = ["stem", "subm build", "subm reuse", "strided", "transposed", "1x1x1", "batchnorm", "classifier"]
+
+
+def record_ours(model, x):
+    """Run the network once and return, per layer call: (name, kind, replay fn)."""
+    from numba_sc import nn
+
+    seen_maps, calls = set(), []
+
+    def obs(mod, xin, y, kw):
+        name = mod.name
+        if isinstance(mod, nn.BatchNorm):
+            res, relu = kw.get("residual"), kw.get("relu", False)
+            calls.append((name, "batchnorm", lambda m=mod, a=xin, r=res, z=relu: m(a, residual=r, relu=z),
+                          {"residual": res is not None, "relu": bool(relu)}))
+        elif isinstance(mod, nn.Linear):
+            calls.append((name, "classifier", lambda m=mod, a=xin: m(a), {}))
+        elif isinstance(mod, nn.SparseInverseConv3d):
+            calls.append((name, "transposed", lambda m=mod, a=xin: m(a), {}))
+        elif isinstance(mod, nn._Conv):
+            if mod.pointwise:
+                calls.append((name, "1x1x1", lambda m=mod, a=xin: m(a), {}))
+                return
+            built = id(y.kernel_map) not in seen_maps
+            seen_maps.add(id(y.kernel_map))
+            if mod.stride != (1, 1, 1):
+                kind = "strided"
+            elif name.endswith("stem.0") or name.endswith("stem.0.0"):
+                kind = "stem"
+            else:
+                kind = "subm build" if built else "subm reuse"
+            fresh = built  # a layer that built its map builds it again in the replay
+            calls.append((name, kind, (lambda m=mod, a=xin: m(a.without_maps())) if fresh
+                          else (lambda m=mod, a=xin: m(a)), {}))
+
+    with nn.observe(obs):
+        model(x)
+    return calls
+
+
+def record_spconv(twin, feats, indices, spatial, ours_calls):
+    """Replay fns for the twin's layers, by the names of ours."""
+    import torch
+    import spconv.pytorch as spconv
+
+    mods = dict(twin.named_modules())
+    inputs = {}
+
+    def grab(name):
+        def hook(mod, inp, out):
+            inputs[name] = inp[0]
+        return hook
+
+    hooks = [mods[n].register_forward_hook(grab(n)) for n, _, _, _ in ours_calls if n in mods]
+    with torch.no_grad():
+        twin(spconv.SparseConvTensor(feats, indices, spatial, 1))
+    for h in hooks:
+        h.remove()
+    fns = {}
+    for name, kind, _, info in ours_calls:
+        if name not in inputs:
+            continue
+        mod, a = mods[name], inputs[name]
+        if kind == "batchnorm":
+            def fn(mod=mod, a=a, info=info):
+                y = mod(a)
+                if info["residual"]:
+                    y = y + a  # the block's add (a tensor of the same shape stands in for the shortcut)
+                if info["relu"] or info["residual"]:
+                    y = torch.relu(y)
+                return y
+        elif kind in ("stem", "subm build", "strided"):
+            def fn(mod=mod, a=a):  # a fresh tensor: the pairs are built again
+                return mod(spconv.SparseConvTensor(a.features, a.indices, a.spatial_shape, a.batch_size))
+        else:  # reuse, transposed, 1x1x1, classifier: the input as it was (its indice_dict)
+            def fn(mod=mod, a=a):
+                return mod(a)
+        fns[name] = fn
+    return fns
+
+
+# -------------------------------------------------------------------- main
+def run_one(net, cloud, coords, feats, dtypes, args, out):
+    import cupy
+    import torch
+    import spconv.pytorch as spconv
+
+    import numba_sc as ns
+    from numba_sc.spconv_format import state_dict_to_spconv
+
+    state32 = calibrated_state(net, coords, feats)
+    indices, spatial, lo = spconv_input(coords, feats)
+    truth = None  # our fp32 output (it agrees with spconv's fp32 to ~1e-6): what fp16 is measured against
+    for dt in dtypes:
+        rec = {"net": net, "cloud": cloud, "n": int(len(coords)), "dtype": dt}
+        try:
+            ours = build_ours(net, feats.shape[1])
+            ours.load_state_dict(state32)
+            ours.to(np.dtype(dt)).cuda()
+            tdt = torch.float16 if dt == "float16" else torch.float32
+            twins = {}
+            sp_state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state_dict_to_spconv(ours).items()}
+            tfeats = torch.from_numpy(feats).cuda().to(tdt)
+            for algo in ("Native", "MaskImplicitGemm"):
+                t = build_spconv(net, feats.shape[1], algo)
+                t.load_state_dict(sp_state)
+                t = t.to(tdt)
+                twins[algo] = t
+            x = ns.SparseTensor(cupy.asarray(coords), cupy.asarray(feats.astype(dt)))
+            y = ours(x.without_maps())
+            stride_of_index = np.asarray(y.stride)
+            errs = {}
+            for algo, t in twins.items():
+                with torch.no_grad():
+                    ys = t(spconv.SparseConvTensor(tfeats, indices, spatial, 1))
+                cs, fs = spconv_output(ys, lo, stride_of_index)
+                errs[algo] = rel_err_by_coords(cupy.asnumpy(y.coords), cupy.asnumpy(y.features), cs, fs)
+            rec["rel_err"] = {a: e[0] for a, e in errs.items()}
+            if dt == "float32":
+                truth = (cupy.asnumpy(y.coords), cupy.asnumpy(y.features))
+            elif truth is not None:  # each fp16 network against the fp32 one
+                rec["rel_err_vs_fp32"] = {"numba-sc": rel_err_by_coords(cupy.asnumpy(y.coords),
+                                                                        cupy.asnumpy(y.features), *truth)[0]}
+                for algo, t in twins.items():
+                    with torch.no_grad():
+                        ys = t(spconv.SparseConvTensor(tfeats, indices, spatial, 1))
+                    rec["rel_err_vs_fp32"][algo] = rel_err_by_coords(*spconv_output(ys, lo, stride_of_index),
+                                                                     *truth)[0]
+            if args.diagnose:
+                for algo, t in twins.items():
+                    print(f"  diagnose {net} {cloud} {dt} spconv {algo}:")
+                    diagnose(ours, t, x, tfeats, indices, spatial, lo)
+            rec["rel_err_note"] = {a: e[1] for a, e in errs.items() if e[1]}
+            rec["out_points"] = int(len(y))
+
+            def sp_call(t):
+                def call():
+                    with torch.no_grad():
+                        return t(spconv.SparseConvTensor(tfeats, indices, spatial, 1))
+                return call
+
+            contenders = {"numba-sc": lambda: ours(x.without_maps()),
+                          "spconv Native": sp_call(twins["Native"]),
+                          "spconv MaskImplicitGemm": sp_call(twins["MaskImplicitGemm"])}
+            if args.reps > 0:
+                rec["network"] = wall_interleaved(contenders, args.warmup, args.reps)
+            del contenders, y
+            free_memory()
+            if args.layers:
+                rec["layers"] = time_layers(ours, x, twins, tfeats, indices, spatial, args)
+        except Exception as e:
+            rec["error"] = repr(e)
+            rec["traceback"] = traceback.format_exc()
+            print(f"[{net} {cloud} {dt}] failed: {e!r}")
+            print(rec["traceback"][-2000:])
+        ours = twins = x = None
+        free_memory()
+        out["runs"].append(rec)
+        report(rec)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+def diagnose(ours, twin, x, tfeats, indices, spatial, lo):
+    """Print, for every convolution, ||ours - spconv|| / ||spconv|| on its output (spconv's
+    rows at our coordinates): where the two networks part, if they do."""
+    import cupy
+    import torch
+    import spconv.pytorch as spconv
+
+    import numba_sc as ns
+    from numba_sc import nn
+
+    mine = {}
+
+    def obs(m, a, y, kw):
+        if isinstance(m, nn._Conv):
+            mine[m.name] = (cupy.asnumpy(y.coords), cupy.asnumpy(y.features).astype(np.float64), y.stride)
+
+    with nn.observe(obs):
+        ours(x.without_maps())
+    theirs = {}
+    mods = dict(twin.named_modules())
+
+    def grab(name):
+        def hook(mod, inp, out):
+            theirs[name] = (out.indices.cpu().numpy(), out.features.float().cpu().numpy())
+        return hook
+
+    hooks = [mods[n].register_forward_hook(grab(n)) for n in mine if n in mods]
+    with torch.no_grad():
+        twin(spconv.SparseConvTensor(tfeats, indices, spatial, 1))
+    for h in hooks:
+        h.remove()
+    for name, (c, f, stride) in mine.items():
+        if name not in theirs:
+            print(f"    {name:28s} (no spconv twin layer)")
+            continue
+        ind, g = theirs[name]
+        cs = ind[:, 1:].astype(np.int64) * np.asarray(stride) + lo
+        ks = ns.pack_keys(np.ascontiguousarray(cs, dtype=np.int32))
+        kc = ns.pack_keys(np.ascontiguousarray(c, dtype=np.int32))
+        order = np.argsort(ks)
+        pos = np.clip(np.searchsorted(ks[order], kc), 0, len(ks) - 1)
+        found = ks[order][pos] == kc
+        rows = g[order[pos]]
+        err = np.linalg.norm(f[found] - rows[found]) / max(np.linalg.norm(rows[found]), 1e-30)
+        print(f"    {name:28s} ours {len(c):7d} rows, spconv {len(cs):7d}, missing {int((~found).sum()):6d}, "
+              f"rel err {err:.2e}", flush=True)
+
+
+def free_memory():
+    """Give the memory the last phase no longer uses back to the device, from both
+    allocators' pools (CuPy's and PyTorch's keep freed blocks for themselves)."""
+    import gc
+
+    import cupy
+    import torch
+
+    gc.collect()
+    cupy.get_default_memory_pool().free_all_blocks()
+    torch.cuda.empty_cache()
+
+
+def spconv_input(coords, feats):
+    import spconv_nets
+
+    return spconv_nets.spconv_input(coords, feats)
+
+
+def time_layers(ours, x, twins, tfeats, indices, spatial, args):
+    import torch
+
+    calls = record_ours(ours, x.without_maps())
+    free_memory()
+    sp = {a: record_spconv(t, tfeats, indices, spatial, calls) for a, t in twins.items()}
+    free_memory()
+    rows = []
+    with torch.no_grad():
+        for name, kind, fn, _ in calls:
+            contenders = {"numba-sc": fn}
+            for a, fns in sp.items():
+                if name in fns:
+                    contenders[f"spconv {a}"] = fns[name]
+            t = wall_interleaved(contenders, 3, args.layer_reps)
+            rows.append({"name": name, "kind": kind, **{k: v["ms"] for k, v in t.items()}})
+    return rows
+
+
+def best_spconv(d):
+    vals = [v for k, v in d.items() if k.startswith("spconv")]
+    return min(vals) if vals else float("nan")
+
+
+def report(rec):
+    if "network" not in rec:
+        return
+    n = rec["network"]
+    ours, nat, mig = n["numba-sc"]["ms"], n["spconv Native"]["ms"], n["spconv MaskImplicitGemm"]["ms"]
+    best = min(nat, mig)
+    errs = " ".join(f"{a[:6]} {e:.1e}" for a, e in rec["rel_err"].items())
+    if "rel_err_vs_fp32" in rec:
+        errs += " | vs fp32: " + " ".join(f"{a[:6]} {e:.1e}" for a, e in rec["rel_err_vs_fp32"].items())
+    print(f"{rec['net']:8} {rec['cloud']:8} {rec['n']:8d} {rec['dtype']:8} ours {ours:8.2f} ms | Native "
+          f"{nat:8.2f} | MIG {mig:8.2f} | ours/best {ours / best:5.2f} | err {errs}", flush=True)
+    if "layers" in rec:
+        sums = {}
+        for r in rec["layers"]:
+            s = sums.setdefault(r["kind"], [0.0, 0.0, 0])
+            s[0] += r["numba-sc"]
+            s[1] += best_spconv(r)
+            s[2] += 1
+        print("    " + " | ".join(f"{k} x{v[2]}: {v[0]:.2f}/{v[1]:.2f} = {v[0] / v[1]:.2f}"
+                                  for k, v in sums.items() if v[1] > 0), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--out", default="bench_net.json")
+    ap.add_argument("--nets", default=",".join(NETS))
+    ap.add_argument("--clouds", default="kitti,scannet,sunrgbd,random")
+    ap.add_argument("--dtypes", default="float32,float16")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--layers", action="store_true", help="also time every layer alone, by kind")
+    ap.add_argument("--layer-reps", type=int, default=20)
+    ap.add_argument("--diagnose", action="store_true",
+                    help="print every convolution's error against spconv (where the networks part)")
+    ap.add_argument("--note", default="", help="what code this run measured (goes into 'recorded')")
+    args = ap.parse_args()
+    data = find_data(args.data)
+    out = {"runs": [], "reps": args.reps, "warmup": args.warmup, "recorded": recorded(args.note)}
+    for cloud in args.clouds.split(","):
+        coords, feats = load_cloud(cloud, data)
+        for net in args.nets.split(","):
+            run_one(net, cloud, coords, feats, args.dtypes.split(","), args, out)
+    out["recorded"] = recorded(args.note)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"full results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
