@@ -116,12 +116,12 @@ def build_ours(net, in_channels):
     return models.SparseResNet21(in_channels) if net == "resnet21" else models.MinkUNet42(in_channels, 19)
 
 
-def build_spconv(net, in_channels, algo):
+def build_spconv(net, in_channels, algo, select=True):
     import spconv_nets
     from spconv.core import ConvAlgo
 
     a = getattr(ConvAlgo, algo)
-    m = spconv_nets.SparseResNet21(in_channels, algo=a) if net == "resnet21" else \
+    m = spconv_nets.SparseResNet21(in_channels, algo=a, select=select) if net == "resnet21" else \
         spconv_nets.MinkUNet42(in_channels, 19, algo=a)
     return m.cuda().eval()
 
@@ -312,6 +312,11 @@ def run_one(net, cloud, coords, feats, dtypes, args, out):
             contenders = {"numba-sc": lambda: ours(x.without_maps()),
                           "spconv Native": sp_call(twins["Native"]),
                           "spconv MaskImplicitGemm": sp_call(twins["MaskImplicitGemm"])}
+            if net == "resnet21":  # for context: spconv's own downsampling (another network)
+                for algo in ("Native", "MaskImplicitGemm"):
+                    own = build_spconv(net, feats.shape[1], algo, select=False)
+                    own.load_state_dict(sp_state)
+                    contenders[f"({algo}, own outputs)"] = sp_call(own.to(tdt))
             if args.reps > 0:
                 rec["network"] = wall_interleaved(contenders, args.warmup, args.reps)
             del contenders, y
@@ -427,11 +432,13 @@ def report(rec):
     n = rec["network"]
     ours, nat, mig = n["numba-sc"]["ms"], n["spconv Native"]["ms"], n["spconv MaskImplicitGemm"]["ms"]
     best = min(nat, mig)
+    own = [v["ms"] for k, v in n.items() if "own outputs" in k]
     errs = " ".join(f"{a[:6]} {e:.1e}" for a, e in rec["rel_err"].items())
     if "rel_err_vs_fp32" in rec:
         errs += " | vs fp32: " + " ".join(f"{a[:6]} {e:.1e}" for a, e in rec["rel_err_vs_fp32"].items())
     print(f"{rec['net']:8} {rec['cloud']:8} {rec['n']:8d} {rec['dtype']:8} ours {ours:8.2f} ms | Native "
-          f"{nat:8.2f} | MIG {mig:8.2f} | ours/best {ours / best:5.2f} | err {errs}", flush=True)
+          f"{nat:8.2f} | MIG {mig:8.2f} | ours/best {ours / best:5.2f} | err {errs}"
+          + (f" | spconv own outputs: best {min(own):.2f}" if own else ""), flush=True)
     if "layers" in rec:
         sums = {}
         for r in rec["layers"]:

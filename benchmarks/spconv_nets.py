@@ -85,8 +85,12 @@ class Select(spconv.SparseModule):
 
 
 class SparseResNet21(nn.Module):
-    def __init__(self, in_channels=4, width=1.0, algo=ConvAlgo.Native):
+    """``select=False``: spconv's own downsampling (every output its kernel-3 windows
+    reach), a different network with more voxels, timed for context only."""
+
+    def __init__(self, in_channels=4, width=1.0, algo=ConvAlgo.Native, select=True):
         super().__init__()
+        self.select = select
         cs = [max(1, int(round(c * width))) for c in (16, 32, 64, 128)]
         c = in_channels
         for i, (out, stride) in enumerate(zip(cs, (1, 2, 2, 2))):
@@ -108,11 +112,14 @@ class SparseResNet21(nn.Module):
         x = self.stem(x)
         for i, stage in enumerate((self.stage1, self.stage2, self.stage3)):
             block = stage[0]  # strided conv, BatchNorm, ReLU
-            x = self.selects[i](block[0](x), x.indices)  # spconv's superset, cut to the Minkowski outputs
+            x = self._cut(i, block[0](x), x)  # spconv's superset, cut to the Minkowski outputs
             x = _bn_relu(block, x)
             x = stage[2](stage[1](x))
-        x = self.selects[3](self.stage4[0](x), x.indices)
+        x = self._cut(3, self.stage4[0](x), x)
         return _bn_relu(self.stage4, x)
+
+    def _cut(self, i, y, x):
+        return self.selects[i](y, x.indices) if self.select else y
 
 
 def _bn_relu(block, x):
