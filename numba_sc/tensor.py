@@ -122,13 +122,23 @@ class SparseTensor:
         order = xp.argsort(keys, kind="stable") if xp is np else xp.argsort(keys)
         skeys = keys[order]
         dup = skeys[1:] == skeys[:-1]
-        if bool(dup.any()):  # one device->host read of a flag
+        fxp = array_module(features)
+        # one device->host read of two flags: a repeated coordinate, a value that is not finite
+        repeated, not_finite = (bool(v) for v in to_host(xp.stack(
+            [dup.any(), like(~fxp.isfinite(features).all(), dup)])))
+        if repeated:
             i = int(to_host(xp.flatnonzero(dup))[0])
             c = to_host(coords[order[i]]).tolist()
             raise ValueError(
                 f"coords must be unique, but {c} appears more than once "
                 f"({int(to_host(dup.sum()))} repeats in all); merge duplicates first, e.g. "
                 "numba_sc.voxelize(points, voxel_size, features, reduce='mean')")
+        if not_finite:
+            r = int(to_host(fxp.flatnonzero(~fxp.isfinite(features).all(axis=1)))[0])
+            raise ValueError(
+                f"features hold NaN or infinite values (first in row {r}, the point "
+                f"{to_host(coords[r]).tolist()}); every layer would spread them to the point's "
+                "neighbours: clean or drop those points before making the tensor")
         self.coords = coords[order]
         self.features = features[order]
         self.order = order

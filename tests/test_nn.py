@@ -420,6 +420,17 @@ def test_map_of_another_cloud_is_refused():
                          backend="reference")
 
 
+def test_features_that_are_not_finite_are_refused(rng):
+    x = scan_crop(30)
+    f = x.features.copy()
+    f[7, 2] = np.nan
+    with pytest.raises(ValueError, match=r"NaN or infinite values \(first in row 7"):
+        ns.SparseTensor(x.coords, f)
+    f[7, 2] = np.inf
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        ns.SparseTensor(x.coords, f.astype(np.float16))
+
+
 def test_layer_errors_name_the_layer():
     x = scan_crop(40)
     m = MinkUNet42(4, 5, width=0.125)
