@@ -224,7 +224,10 @@ class Module:
         raise NotImplementedError
 
     def __repr__(self):
-        return f"{type(self).__name__}({self.extra_repr()})"
+        """``Kind(arguments)``, with the children indented below, as PyTorch prints modules."""
+        head = f"{type(self).__name__}({self.extra_repr()}"
+        kids = [f"({name}): " + repr(child).replace("\n", "\n  ") for name, child in self.children()]
+        return head + ")" if not kids else head + "\n  " + "\n  ".join(kids) + "\n)"
 
     def extra_repr(self):
         return ""
@@ -563,8 +566,6 @@ class Sequential(Module):
                 i += 1
         return x
 
-    def extra_repr(self):
-        return "\n  " + "\n  ".join(f"({i}): {layer!r}" for i, layer in enumerate(self)) + "\n"
 
 
 # ----------------------------------------------------- two tensors, one set
