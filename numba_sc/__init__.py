@@ -43,5 +43,6 @@ __all__ = [
     "build_kernel_map", "build_plan", "gpu_present", "grouping_report", "heuristic_tile",
     "kernel_offsets", "key_delta", "output_coordinates", "pack_keys", "padding_report",
     "resolve_backend", "simulating", "sparse_conv3d", "Trace", "trace", "unpack_keys", "voxelize",
+    "models", "nn", "spconv_format",
 ]
 __version__ = "0.1.0"

@@ -55,15 +55,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import conventions as cv
 from . import gemm_grouping as gg
 from .autotune import cached, heuristic_tile, layer_key
-from .backend import device_xp, is_cupy, like, resolve_backend, to_device, to_host
+from .backend import device_xp, like, resolve_backend, to_device, to_host
 from .gather import check_tile, gather_cuda, gather_reference
 from .kernel_map import _layer as _layer_args, build_kernel_map
 from .metadata import build_plan, centre_offset, submanifold_centre
 from .scatter import scatter_cuda, scatter_reference
-from .tensor import FEATURE_DTYPES, SparseTensor, array_module as _xp, same_coordinates
+from .tensor import FEATURE_DTYPES, SparseTensor, same_coordinates
 
 __all__ = ["SparseTensor", "sparse_conv3d", "gmas", "resolve_tiles", "FEATURE_DTYPES"]
 

@@ -17,7 +17,7 @@ import pytest
 
 import numba_sc as ns
 from numba_sc import conv, kernel_offsets, nn, pointwise as pw
-from numba_sc.backend import simulating, to_host
+from numba_sc.backend import to_host
 from numba_sc.models import MinkUNet42, SparseResNet21
 from numba_sc.spconv_format import (conv_weight_from_spconv, conv_weight_to_spconv,
                                     state_dict_from_spconv, state_dict_to_spconv)
