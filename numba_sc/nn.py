@@ -390,20 +390,21 @@ class SparseInverseConv3d(_Conv):
 
     It reads the strided layer's map backwards: for each of that map's pairs
     ``p = q + delta_k``, ``out[p] += in[q] @ W[k]`` (``W`` indexed like the strided
-    layer's weight). Which strided layer: ``inverts=`` that layer (as spconv's
-    ``indice_key`` names it), or, without it, the one of this ``kernel_size``,
-    ``stride`` and ``dilation`` that made the input's coordinates (as TorchSparse
-    finds it). Either way nothing is built: no map, no sort, no metadata.
+    layer's weight). Which strided layer: ``inverts=`` that layer, or its name in
+    the network (``"stage4.0.0"``, as spconv's ``indice_key`` names it), or, without
+    it, the one of this ``kernel_size``, ``stride`` and ``dilation`` that made the
+    input's coordinates (as TorchSparse finds it). Either way nothing is built: no
+    map, no sort, no metadata.
     """
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=None, dilation=1,
                  inverts=None, bias=False, rng=None):
-        if inverts is not None:
-            if not isinstance(inverts, SparseConv3d):
-                raise TypeError(f"inverts must be the SparseConv3d layer to invert, got "
-                                f"{type(inverts).__name__}")
+        if isinstance(inverts, SparseConv3d):
             kernel_size, stride, dilation = inverts.kernel_size, inverts.stride, inverts.dilation
-        elif stride is None:
+        elif inverts is not None and not isinstance(inverts, str):
+            raise TypeError(f"inverts must be the SparseConv3d layer to invert, or its name, got "
+                            f"{type(inverts).__name__}")
+        if stride is None:
             raise ValueError("SparseInverseConv3d needs stride= (the strided layer's) or inverts= "
                              "(the strided layer itself)")
         super().__init__(in_channels, out_channels, kernel_size, stride, dilation, bias, rng)
@@ -417,9 +418,10 @@ class SparseInverseConv3d(_Conv):
         _check_input(self, x, self.in_channels)
         _check_dtype(self, x, self.weight)
         hit = x.maps.up.get(self._down_key)
-        if hit is None or (self.inverts is not None and hit[2] is not self.inverts):
-            what = (f"{self.inverts.name!r}" if self.inverts is not None else
-                    f"a strided layer of kernel {_short(self.kernel_size)}, stride {_short(self.stride)}")
+        wanted = self.inverts
+        if hit is None or (wanted is not None and hit[2] is not wanted and hit[2].name != wanted):
+            what = (repr(wanted) if isinstance(wanted, str) else f"{wanted.name!r}" if wanted is not None
+                    else f"a strided layer of kernel {_short(self.kernel_size)}, stride {_short(self.stride)}")
             made = [f"{m.name!r} (kernel {_short(m.kernel_size)}, stride {_short(m.stride)})"
                     for _, _, m in x.maps.up.values()]
             raise ValueError(

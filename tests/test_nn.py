@@ -443,6 +443,12 @@ def test_layer_errors_name_the_layer():
     with pytest.raises(ValueError, match=r"layer 'up4\.0' .*inverts 'stage1\.0\.0', but x .* came from "
                                          r"no strided layer"):
         m.up4(ns.SparseTensor(x.coords, np.zeros((len(x), 12), np.float32), stride=2))
+    # by name, as spconv's indice_key: the right name works, another one is refused
+    y = m.stage1[0][0](x)
+    good = nn.SparseInverseConv3d(4, 2, 2, stride=2, inverts="stage1.0.0")
+    np.testing.assert_array_equal(host(good(y).coords), x.coords)
+    with pytest.raises(ValueError, match=r"inverts 'stage2\.0\.0', but x .* came from 'stage1\.0\.0'"):
+        nn.SparseInverseConv3d(4, 2, 2, stride=2, inverts="stage2.0.0")(y)
     with pytest.raises(ValueError, match="not on the same coordinates"):
         nn.cat(x, ns.SparseTensor(x.coords[:-1], x.features[:-1]))
     with pytest.raises(ValueError, match="stride= .* or inverts="):
