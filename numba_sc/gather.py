@@ -50,6 +50,14 @@ thread moves ``T * itemsize / 8`` words instead of T channels (a fp16 tile of 8
 channels is two 64-bit loads and two stores per row instead of eight of each).
 The threads, and what each one covers, stay the same; only the instruction
 count changes (:mod:`numba_sc.words`).
+
+The ladder, one idea a rung (``python -m numba_sc ladder gather`` times them):
+
+    v1  Algorithm 1: each thread walks its point's row of the dense input table
+    v2  + the per-point lists: a mask and the rows that exist, not K entries
+    v3  + the tile size and tiles per row compiled in, the tile in registers,
+          unsigned index arithmetic
+    v4  + whole 8- or 4-byte words instead of channels (the library's)
 """
 from __future__ import annotations
 
@@ -94,20 +102,84 @@ def gather_reference(features, in_table, rows, tile=None):
     return buf
 
 
-# -------------------------------------------------------------------- kernels
+# ------------------------------------------------------------------- the ladder
+# Four rungs, each adding one thing to the one before; every rung is checked
+# against gather_reference (tests/test_ladder.py) and timed by
+# ``python -m numba_sc ladder gather``. The library runs v4 (v3 where a tile
+# is not a whole number of words).
+
+@cuda.jit
+def gather_v1(features, in_table, tile, buf):
+    """v1, Algorithm 1 as the paper writes it: one thread per (channel tile, input
+    point) walks the point's row of the dense input table (|P| x K) and copies
+    its tile to every buffer row it finds there.
+
+    (The paper loads the tile into registers once; a register array needs its
+    length at compile time, so v1 reads its tile again for every row it writes,
+    from the L1 cache after the first. v3 holds it in registers.)
+    """
+    t = cuda.grid(1)
+    tiles = features.shape[1] // tile
+    if t < features.shape[0] * tiles:
+        p = t // tiles  # neighbouring threads: neighbouring tiles of one point
+        c0 = (t - p * tiles) * tile
+        for k in range(in_table.shape[1]):  # every offset (Algorithm 1, line 3)
+            row = in_table[p, k]
+            if row >= 0:  # p feeds some output through offset k: its buffer row
+                for c in range(tile):
+                    buf[row, c0 + c] = features[p, c0 + c]
+
+
+@cuda.jit
+def gather_v2(features, in_masks, buffered, in_slots, tile, buf):
+    """v2: the per-point lists instead of the dense table.
+
+    On a sparse cloud most entries of the table are -1 (27 x 1M entries for
+    ~0.4M pairs on 1M random voxels), and v1's threads read all of them. Here a
+    point's offsets with a pair are the set bits of its mask word(s), and its
+    rows are listed in ``in_slots[:, p]`` (:class:`numba_sc.metadata.PointLists`,
+    PCEngine's compression, which Minuet names as combining with its own
+    ideas): a thread reads one mask and then only the rows that exist. Measured
+    when it came in (H100, Nsight Compute, 1M random voxels, 64 channels): the
+    gather 357 -> 123 us, and the metadata stage that writes the lists 313 -> 204 us.
+    """
+    t = cuda.grid(1)
+    tiles = features.shape[1] // tile
+    if t < features.shape[0] * tiles:
+        p = t // tiles
+        c0 = (t - p * tiles) * tile
+        n = 0  # p's entries: its buffered offsets with a pair
+        for w in range(in_masks.shape[0]):
+            n += cuda.popc(in_masks[w, p] & buffered[w])
+        for s in range(n):  # offset order
+            row = in_slots[s, p]
+            for c in range(tile):
+                buf[row, c0 + c] = features[p, c0 + c]
+
+
 @lru_cache(maxsize=None)
 def gather_kernel(tile: int, tiles: int, word=None):
-    """The gather kernel compiled for one tile size, one number of tiles per row
-    (channels / tile) and one kind of element. All three are compile-time
-    constants:
+    """v3 (``word=None``) and v4: the gather kernel compiled for one tile size, one
+    number of tiles per row (channels / tile) and one kind of element.
+
+    **v3** makes the three compile-time constants:
 
     * the tile lives in registers (``cuda.local.array`` needs a constant length);
     * every thread divides its index by ``tiles``: a 64-bit division by a
       run-time value is a software routine of dozens of instructions, by a
       constant a multiply and a shift;
-    * ``word=None`` for float features (held as fp32, which holds fp16 exactly),
-      or a signed NumPy integer type when the arrays are word views
-      (:func:`numba_sc.words.word_view`) and ``tile`` counts words.
+    * ``word=None`` for float features (held as fp32, which holds fp16 exactly).
+
+    Measured when it came in (H100, Nsight Compute, 1M voxels): fp16 256 channels
+    332 -> 244 us, fp32 64 channels 121 -> 106 us; unsigned index arithmetic
+    then saved the wraparound test of every signed index.
+
+    **v4** (``word`` a signed NumPy integer type) moves bytes, not channels: the
+    features and the buffer are handed over as word views
+    (:func:`numba_sc.words.word_view`) and ``tile`` counts 8- or 4-byte words, so a
+    fp16 tile of 8 channels is two loads and two stores per row instead of eight
+    of each. Measured when it came in: fp16 64 channels on SemanticKITTI 54 -> 22
+    us, 256 channels on 1M voxels 428 -> 332 us.
     """
     held = float32 if word is None else from_dtype(np.dtype(word))
     # Unsigned constants keep the index arithmetic unsigned (see
@@ -145,7 +217,8 @@ def gather_kernel(tile: int, tiles: int, word=None):
 
 
 def gather_cuda(features, in_lists, rows, tile):
-    """Device version: one launch of :func:`gather_kernel` for all offsets.
+    """Device version, the library's: one launch of :func:`gather_kernel` (v4, or v3
+    when a tile is not a whole number of words) for all offsets.
 
     ``in_lists``: a plan's :class:`~numba_sc.metadata.PointLists` (``plan.in_lists``),
     or a dense (|P|, K) input table, which is packed into lists first.
@@ -166,6 +239,33 @@ def gather_cuda(features, in_lists, rows, tile):
         launch(gather_kernel(tile_words, tiles, word), f.shape[0] * tiles, src,
                to_device(in_lists.masks), to_device(in_lists.buffered), to_device(in_lists.slots), dst)
     return buf
+
+
+def gather_rung(rung: str, features, plan, tile):
+    """Run one rung of the ladder (``"v1"`` .. ``"v4"``) on a plan's layout; returns the
+    (rows, C_in) buffer (padding rows unwritten). v1 reads the dense input table,
+    the others the plan's point lists; v4 is :func:`gather_cuda`."""
+    xp = device_xp()
+    f = to_device(features)
+    if rung == "v4":
+        return gather_cuda(f, plan.in_lists, plan.rows, tile)
+    buf = (xp.zeros if simulating() else xp.empty)((plan.rows, f.shape[1]), dtype=f.dtype)
+    n = f.shape[0] * (f.shape[1] // tile)
+    lists = plan.in_lists
+    if rung == "v1":
+        launch(gather_v1, n, f, to_device(plan.in_table), tile, buf)
+    elif rung == "v2":
+        launch(gather_v2, n, f, to_device(lists.masks), to_device(lists.buffered), to_device(lists.slots),
+               tile, buf)
+    elif rung == "v3":
+        launch(gather_kernel(tile, f.shape[1] // tile), n, f, to_device(lists.masks), to_device(lists.buffered),
+               to_device(lists.slots), buf)
+    else:
+        raise ValueError(f"rung must be one of {GATHER_RUNGS}, got {rung!r}")
+    return buf
+
+
+GATHER_RUNGS = ("v1", "v2", "v3", "v4")
 
 
 def gather(features, in_table, rows, tile=1, backend=None):
