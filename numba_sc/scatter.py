@@ -31,6 +31,14 @@ channels 222 -> 164 us, fp32 at 64 channels 141 -> 126 us; on SemanticKITTI 46
 is that bigger tiles now pay: channel by channel, a tile of 32 channels ran 2-3.5x
 slower than a tile of 8, as words it is the fastest on 1M voxels.
 
+The ladder, one idea a rung (``python -m numba_sc ladder scatter`` times them):
+
+    v1  each thread walks its output's row of the dense output table, a channel
+          at a time
+    v2  + the per-point lists: a mask and the rows that exist
+    v3  + sizes compiled in, the tile's sums in registers, unsigned indices
+    v4  + whole words, unpacked into channels to be added (the library's)
+
 Napkin math, fp32: every pair's row is read once (``4 * pairs * C_out``), the
 output's mask word and rows ``C_out/T`` times (``8|Q| + 4 * pairs`` each, mostly
 cache hits), the output written once (``4|Q|C_out`` at most, plus the same read
@@ -68,22 +76,78 @@ def scatter_reference(obuf, out_table, init=None, n_out=None, channels=None, dty
     return acc.astype(dtype)
 
 
-# -------------------------------------------------------------------- kernels
+# ------------------------------------------------------------------- the ladder
+# Four rungs, as in the gather; every rung is checked against scatter_reference
+# (tests/test_ladder.py) and timed by ``python -m numba_sc ladder scatter``. The
+# library runs v4 (v3 where a tile is not a whole number of words).
+
+@cuda.jit
+def scatter_v1(obuf, out_table, tile, has_init, out):
+    """v1, the scatter as the paper describes it: one thread per (channel tile,
+    output point) walks the point's row of the dense output table (|Q| x K), sums
+    the rows it finds in offset order, in fp32, and writes its tile once.
+
+    ``has_init``: ``out`` already holds the centre product, which the sum starts
+    from. (A register accumulator needs its length at compile time, so v1 sums
+    one channel of its tile at a time, reading the table row once per channel;
+    v3 sums the whole tile together.)
+    """
+    t = cuda.grid(1)
+    tiles = out.shape[1] // tile
+    if t < out.shape[0] * tiles:
+        q = t // tiles
+        c0 = (t - q * tiles) * tile
+        for c in range(c0, c0 + tile):
+            acc = float32(out[q, c]) if has_init else float32(0.0)
+            for k in range(out_table.shape[1]):  # offset order: the same sum, run after run
+                row = out_table[q, k]
+                if row >= 0:
+                    acc += float32(obuf[row, c])
+            out[q, c] = acc  # the only write of this value: no atomics
+
+
+@cuda.jit
+def scatter_v2(obuf, out_masks, buffered, out_slots, tile, has_init, out):
+    """v2: the per-point lists instead of the dense table (as the gather's v2):
+    a thread reads its output's mask and then only the rows that exist.
+    Measured when it came in (H100, Nsight Compute, 1M random voxels, 64
+    channels): 388 -> 152 us."""
+    t = cuda.grid(1)
+    tiles = out.shape[1] // tile
+    if t < out.shape[0] * tiles:
+        q = t // tiles
+        c0 = (t - q * tiles) * tile
+        n = 0
+        for w in range(out_masks.shape[0]):
+            n += cuda.popc(out_masks[w, q] & buffered[w])
+        for c in range(c0, c0 + tile):
+            acc = float32(out[q, c]) if has_init else float32(0.0)
+            for s in range(n):
+                acc += float32(obuf[out_slots[s, q], c])
+            out[q, c] = acc
+
+
 @lru_cache(maxsize=None)
 def scatter_kernel(tile: int, tiles: int, word=None, itemsize: int = 4):
-    """The scatter kernel compiled for one tile size and one number of tiles per row.
+    """v3 (``word=None``) and v4: the scatter kernel compiled for one tile size and
+    one number of tiles per row.
 
-    Both are compile-time constants: the tile is held in registers
+    **v3**: both are compile-time constants: the tile is held in registers
     (``cuda.local.array`` needs a constant length) and every thread divides its
     index by ``tiles``, a multiply and a shift for a constant where a 64-bit
     division by a run-time value is a software routine of dozens of
     instructions.
 
     ``word=None``: ``obuf`` and ``out`` are float arrays, read and written channel
-    by channel, and ``tile`` counts channels. Otherwise they are the same bytes
-    seen as ``word``s (:mod:`numba_sc.words`), ``tile`` counts words, and each
-    word is unpacked into its ``itemsize``-byte channels to be added: a fp16 tile
-    of 8 channels is then two loads per row instead of eight.
+    by channel, and ``tile`` counts channels; the tile's sums are held together in
+    registers, so the point's rows are read once per tile, not once per channel.
+    Outputs without pairs keep their centre product untouched (no read, no write).
+
+    **v4** (``word`` given): they are the same bytes seen as ``word``s
+    (:mod:`numba_sc.words`), ``tile`` counts words, and each word is unpacked
+    into its ``itemsize``-byte channels to be added: a fp16 tile of 8 channels is
+    then two loads per row instead of eight. Measured when it came in: fp16 128
+    channels on 1M voxels 222 -> 164 us, fp32 64 channels 141 -> 126 us.
     """
     n_lanes = lanes(word, itemsize)
     lane, packed = lane_codec(word, itemsize)
@@ -157,6 +221,32 @@ def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=No
            to_device(out_lists.masks), to_device(out_lists.buffered), to_device(out_lists.slots),
            init is not None, dst)
     return out
+
+
+def scatter_rung(rung: str, obuf, plan, init, tile):
+    """Run one rung of the ladder (``"v1"`` .. ``"v4"``) on a plan's layout: the
+    (|Q|, C_out) sums of ``obuf``'s rows plus ``init`` (which is not modified)."""
+    obuf = to_device(obuf)
+    if rung == "v4":
+        return scatter_cuda(obuf, plan.out_lists, to_device(init).copy(), plan.n_out, obuf.shape[1],
+                            obuf.dtype, tile)
+    out = to_device(init).copy()
+    n = out.shape[0] * (out.shape[1] // tile)
+    lists = plan.out_lists
+    if rung == "v1":
+        launch(scatter_v1, n, obuf, to_device(plan.out_table), tile, True, out)
+    elif rung == "v2":
+        launch(scatter_v2, n, obuf, to_device(lists.masks), to_device(lists.buffered), to_device(lists.slots),
+               tile, True, out)
+    elif rung == "v3":
+        launch(scatter_kernel(tile, out.shape[1] // tile, None, out.itemsize), n, obuf, to_device(lists.masks),
+               to_device(lists.buffered), to_device(lists.slots), True, out)
+    else:
+        raise ValueError(f"rung must be one of {SCATTER_RUNGS}, got {rung!r}")
+    return out
+
+
+SCATTER_RUNGS = ("v1", "v2", "v3", "v4")
 
 
 def scatter(obuf, out_table, init=None, tile=1, backend=None, n_out=None, channels=None,
