@@ -256,11 +256,23 @@ def batch_norm(x, weight, bias, mean, var, eps=1e-5, residual=None, relu=False, 
     if resolve_backend(backend) == "reference":
         return batch_norm_reference(to_host(x), to_host(weight), to_host(bias), to_host(mean),
                                     to_host(var), eps, None if residual is None else to_host(residual), relu)
+    return batch_norm_rung("v2", x, weight, bias, mean, var, eps, residual, relu)
+
+
+BATCH_NORM_RUNGS = ("v1", "v2")
+
+
+def batch_norm_rung(rung: str, x, weight, bias, mean, var, eps=1e-5, residual=None, relu=False):
+    """Run one rung of BatchNorm's ladder on device arrays: ``"v1"`` the plain
+    kernel, ``"v2"`` the library's (:func:`batch_norm_kernel_v2`)."""
+    if rung not in BATCH_NORM_RUNGS:
+        raise ValueError(f"rung must be one of {BATCH_NORM_RUNGS}, got {rung!r}")
     xd = to_device(x)
     out = device_xp().empty(xd.shape, xd.dtype)
+    kernel = batch_norm_kernel if rung == "v1" else batch_norm_kernel_v2(xd.shape[1])
     res = xd if residual is None else to_device(residual)  # (not read without a residual)
-    launch(batch_norm_kernel_v2(xd.shape[1]), xd.size, xd, _f32(weight), _f32(bias), _f32(mean), _f32(var),
-           float(eps), res, residual is not None, bool(relu), out)
+    launch(kernel, xd.size, xd, _f32(weight), _f32(bias), _f32(mean), _f32(var), float(eps), res,
+           residual is not None, bool(relu), out)
     return out
 
 
