@@ -1,7 +1,8 @@
-"""Command line: ``python -m numba_sc demo`` and ``python -m numba_sc check``.
+"""Command line: ``python -m numba_sc demo``, ``check`` and ``ladder``.
 
 ``demo`` runs every stage on a scan and times kernels beside references;
-``check`` compares each stage's kernel with its reference and locates mismatches.
+``check`` compares each stage's kernel with its reference and locates mismatches;
+``ladder`` runs each stage's kernels rung by rung (:mod:`numba_sc.ladder`).
 """
 from __future__ import annotations
 
@@ -40,6 +41,19 @@ def main(argv=None):
     c.add_argument("--voxel-size", type=float, default=0.05, help="voxel edge in metres (default 0.05)")
     c.add_argument("--stage", help="only the stages whose name contains this text")
     c.add_argument("--crop", type=int, default=1500, help="points the simulated kernels run on (default 1500)")
+    lad = sub.add_parser("ladder", help="each stage's kernels rung by rung: agreement (no GPU) or GPU times")
+    lad.add_argument("stages", nargs="*", help="gather, scatter, batchnorm (default: all)")
+    lad.add_argument("--points", help="KITTI-style float32 .bin file (default: the SemanticKITTI scan in "
+                                      "$NUMBA_SC_DATA or ../shared/data, else a synthetic LiDAR scene)")
+    lad.add_argument("--columns", type=int, default=4, help="float32 columns per point in --points (default 4)")
+    lad.add_argument("--voxel-size", type=float, default=0.05, help="voxel edge in metres (default 0.05)")
+    lad.add_argument("--crop", type=int, default=300,
+                     help="points the simulated kernels run on, without a GPU (default 300)")
+    lad.add_argument("--channels", type=int, default=None, help="channels (default 64 on a GPU, 8 simulated)")
+    lad.add_argument("--dtypes", default="float32,float16")
+    lad.add_argument("--rounds", type=int, default=20, help="timed rounds on a GPU (default 20)")
+    lad.add_argument("--out", help="write the table as JSON (with device, date and command)")
+    lad.add_argument("--note", default="", help="what code this run measured (recorded with --out)")
     args = parser.parse_args(argv)
 
     if argv is None:
@@ -60,7 +74,50 @@ def main(argv=None):
             feats = intensity[:, None]
         results = run_check(points, feats, args.voxel_size, args.stage, args.crop)
         return 0 if all(ok for _, ok, _ in results) else 1
+    if args.command == "ladder":
+        return _ladder(args)
     return 2
+
+
+def _ladder(args):
+    from pathlib import Path
+
+    import numpy as np
+
+    from .backend import gpu_present, simulating
+    from .check import crop_points
+    from .demo import load_points
+    from .ladder import LADDERS, run_ladder
+    from .synthetic import lidar_scene
+    from .voxelization import voxelize
+
+    stages = args.stages or list(LADDERS)
+    unknown = [s for s in stages if s not in LADDERS]
+    if unknown:
+        print(f"no ladder for {unknown}; stages with one: {', '.join(LADDERS)}", file=sys.stderr)
+        return 2
+    source = args.points
+    if source is None:
+        for d in (os.environ.get("NUMBA_SC_DATA"), "../shared/data", "../../shared/data"):
+            if d and (Path(d) / "semantickitti_000000.bin").exists():
+                source = str(Path(d) / "semantickitti_000000.bin")
+                break
+    if source:
+        points, _ = load_points(source, args.columns)
+    else:
+        points, _ = lidar_scene()
+    on_gpu = gpu_present() and not simulating()
+    if not on_gpu:
+        points = points[crop_points(points, args.crop)]
+    coords = voxelize(np.ascontiguousarray(points[:, :3]), args.voxel_size, backend="reference").coords
+    print(f"{source or 'synthetic LiDAR scene'}: {len(coords)} voxels at {args.voxel_size} m"
+          + ("" if on_gpu else f" (a crop of {len(points)} points: kernels under the simulator, no times)"))
+    channels = args.channels or (64 if on_gpu else 8)
+    rows = run_ladder(stages, coords, channels, args.dtypes.split(","), args.rounds, args.out, args.note)
+    bad = [r for r in rows if not r["max_abs_diff"] <= (1e-3 if r["stage"] == "batchnorm" else 0.0)]
+    if bad:
+        print(f"{len(bad)} rung(s) disagree with the reference: {[(r['stage'], r['dtype'], r['rung']) for r in bad]}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

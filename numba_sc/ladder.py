@@ -1,0 +1,179 @@
+"""``python -m numba_sc ladder [STAGE ...]``: each stage's kernels, rung by rung, checked and timed.
+
+A stage that has a ladder keeps its rungs in its own module, in reading order:
+``v1`` is the paper's algorithm as plainly as Numba allows, and every later rung
+adds one optimization, with a docstring that says what it changed, why the GPU
+rewards it, and what it bought when it came in. The library runs the last rung.
+This module only runs them, two ways:
+
+* **without a GPU**, every rung under the simulator on a crop of the cloud,
+  against the stage's NumPy reference: the agreement table;
+* **on a GPU**, every rung on the whole cloud, timed with CUDA events (the
+  median of ``rounds`` interleaved rounds, so that a slow minute of the
+  machine costs every rung alike), with the speed-up of each step and over
+  v1; ``--out`` writes the table with the device, date and command.
+
+The stages with a ladder so far: ``gather`` (stage 8), ``scatter`` (stage 10)
+and ``batchnorm`` (between the layers). Their workload is one 3x3x3
+submanifold layer on the cloud (its map and plan built by the kernels).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from . import gather as ga
+from . import pointwise as pw
+from . import scatter as sc
+from .autotune import gpu_time_once, heuristic_tile
+from .backend import device_xp, gpu_present, simulating, to_device, to_host
+
+
+@dataclass
+class Ladder:
+    """One stage's rungs: what each adds, how to run it, what it must equal."""
+
+    stage: str
+    adds: dict  # rung -> one line: what this rung adds to the one before
+    run: Callable  # run(rung, work) -> result (device)
+    reference: Callable  # reference(work) -> result (host)
+    written: Callable  # written(work) -> bool rows of the result that a kernel writes (or None: all)
+
+
+def _layer_work(coords, channels, dtype, seed=0):
+    """One 3x3x3 submanifold layer's arrays on the device: its plan (from the
+    kernels), features, a buffer of partial results, a centre product, BatchNorm
+    statistics, and the tile the library would pick."""
+    from .kernel_map import build_kernel_map
+    from .metadata import build_plan
+
+    rng = np.random.default_rng(seed)
+    km = build_kernel_map(to_device(coords), 3, backend="cuda", masks=True)
+    plan = build_plan(km, backend="cuda")
+    n, rows = len(coords), plan.rows
+    xp = device_xp()
+    item = np.dtype(dtype).itemsize
+    return {
+        "plan": plan,
+        "features": xp.asarray(rng.standard_normal((n, channels)).astype(dtype)),
+        "obuf": xp.asarray(rng.standard_normal((rows, channels)).astype(dtype)),
+        "init": xp.asarray(rng.standard_normal((n, channels)).astype(dtype)),
+        "residual": xp.asarray(rng.standard_normal((n, channels)).astype(dtype)),
+        "bn": [xp.asarray(v.astype(np.float32)) for v in (rng.uniform(0.5, 1.5, channels), rng.normal(0, 0.2, channels),
+                                                           rng.normal(0, 0.2, channels), rng.uniform(0.5, 2, channels))],
+        "tile": heuristic_tile(channels, n, item),
+    }
+
+
+def _rows_in(table):
+    """Buffer rows a table points at (the gather writes those and no padding)."""
+    t = to_host(table)
+    return np.unique(t[t >= 0])
+
+
+LADDERS = {
+    "gather": Ladder(
+        "gather",
+        {"v1": "Algorithm 1: each thread walks its point's row of the dense input table",
+         "v2": "+ per-point lists: a mask and only the rows that exist",
+         "v3": "+ sizes compiled in, the tile in registers, unsigned indices",
+         "v4": "+ whole 8/4-byte words instead of channels (the library's)"},
+        lambda r, w: ga.gather_rung(r, w["features"], w["plan"], w["tile"]),
+        lambda w: ga.gather_reference(to_host(w["features"]), to_host(w["plan"].in_table), w["plan"].rows),
+        lambda w: _rows_in(w["plan"].in_table),
+    ),
+    "scatter": Ladder(
+        "scatter",
+        {"v1": "each thread walks its output's row of the dense output table, a channel at a time",
+         "v2": "+ per-point lists: a mask and only the rows that exist",
+         "v3": "+ sizes compiled in, the tile's sums in registers, unsigned indices",
+         "v4": "+ whole words, unpacked into channels to be added (the library's)"},
+        lambda r, w: sc.scatter_rung(r, w["obuf"], w["plan"], w["init"], w["tile"]),
+        lambda w: sc.scatter_reference(to_host(w["obuf"]), to_host(w["plan"].out_table), to_host(w["init"])),
+        lambda w: None,
+    ),
+    "batchnorm": Ladder(
+        "batchnorm",
+        {"v1": "one thread per value; BatchNorm, residual add and ReLU in one pass",
+         "v2": "+ the channel count compiled in, fast math (the library's)"},
+        lambda r, w: pw.batch_norm_rung(r, w["features"], *w["bn"], 1e-5, w["residual"], True),
+        lambda w: pw.batch_norm_reference(to_host(w["features"]), *[to_host(v) for v in w["bn"]], 1e-5,
+                                          to_host(w["residual"]), True),
+        lambda w: None,
+    ),
+}
+
+
+def agreement(ladder, rung, work):
+    """Max |rung - reference| over the values the rung writes (0 for an exact stage)."""
+    got = np.asarray(to_host(ladder.run(rung, work)), np.float64)
+    want = np.asarray(ladder.reference(work), np.float64)
+    rows = ladder.written(work)
+    if rows is not None:
+        got, want = got[rows], want[rows]
+    if got.shape != want.shape:
+        return float("inf")
+    return float(np.abs(got - want).max()) if got.size else 0.0
+
+
+def time_rungs(ladder, work, rounds=20):
+    """Median GPU microseconds of each rung, interleaved rounds (after one warm-up call
+    each, which also compiles)."""
+    rungs = list(ladder.adds)
+    for r in rungs:
+        ladder.run(r, work)
+    samples = {r: [] for r in rungs}
+    rng = np.random.default_rng(0)
+    for _ in range(rounds):
+        for i in rng.permutation(len(rungs)):
+            r = rungs[i]
+            samples[r].append(gpu_time_once(lambda: ladder.run(r, work)) * 1e6)
+    return {r: float(np.median(v)) for r, v in samples.items()}
+
+
+def run_ladder(stages, coords, channels=64, dtypes=("float32", "float16"), rounds=20, out=None, note="",
+               print_=print):
+    """The ladder table of ``stages`` on ``coords``: agreement with the reference always,
+    GPU times when a GPU runs the kernels. Returns the rows; writes ``out`` (JSON)."""
+    timed = gpu_present() and not simulating()
+    rows = []
+    head = f"{'stage':10s} {'dtype':8s} {'rung':5s} {'max |diff|':>10s}"
+    head += f" {'GPU us':>9s} {'step':>6s} {'vs v1':>6s}" if timed else ""
+    print_(head + "  adds")
+    for dtype in dtypes:
+        work = _layer_work(coords, channels, dtype)
+        for stage in stages:
+            ladder = LADDERS[stage]
+            times = time_rungs(ladder, work, rounds) if timed else {}
+            prev = None
+            for rung, adds in ladder.adds.items():
+                diff = agreement(ladder, rung, work)
+                row = {"stage": stage, "dtype": dtype, "rung": rung, "adds": adds, "max_abs_diff": diff}
+                line = f"{stage:10s} {dtype:8s} {rung:5s} {diff:10.2e}"
+                if timed:
+                    t = times[rung]
+                    row.update(gpu_us=t, step=(times[prev] / t) if prev else 1.0, vs_v1=times["v1"] / t)
+                    line += f" {t:9.1f} {row['step']:5.2f}x {row['vs_v1']:5.2f}x"
+                print_(line + "  " + adds)
+                rows.append(row)
+                prev = rung
+    if out:
+        rec = {"points": int(len(coords)), "channels": channels, "rounds": rounds, "rows": rows,
+               "recorded": {"device": _device_name(), "date": time.strftime("%Y-%m-%d"),
+                            "command": "python -m numba_sc " + " ".join(sys.argv[1:]), "code": note}}
+        with open(out, "w") as f:
+            json.dump(rec, f, indent=1)
+    return rows
+
+
+def _device_name():
+    if simulating() or not gpu_present():
+        return "CUDA simulator (CPU)"
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()

@@ -1,0 +1,77 @@
+"""Every rung of every kernel ladder equals its stage's NumPy reference (kernels under
+the simulator here, on the GPU with NUMBA_ENABLE_CUDASIM=0), on a crop of a real scan,
+for several tiles and both dtypes; and the comparison can fail."""
+import numpy as np
+import pytest
+
+import numba_sc as ns
+from numba_sc import gather as ga, ladder, scatter as sc
+from numba_sc.backend import to_host
+
+from conftest import crop, load_scan
+
+
+@pytest.fixture(scope="module")
+def crop_coords():
+    pts = crop(load_scan("semantickitti"), 350, seed=3)
+    return ns.voxelize(np.ascontiguousarray(pts[:, :3]), 0.05, backend="reference").coords
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_gather_and_scatter_rungs_equal_the_reference(crop_coords, dtype):
+    """12 channels, tiles of 3, 4, 6 and 12: channel by channel (fp16 3), 4-byte words
+    (fp32 3, fp16 6) and 8-byte words (the rest). Every rung must equal the reference to
+    the bit (the same copies; the same sums in the same order, in fp32, rounded once)."""
+    work = ladder._layer_work(crop_coords, 12, dtype, seed=1)
+    plan = work["plan"]
+    written = ladder._rows_in(plan.in_table)
+    want_g = ga.gather_reference(to_host(work["features"]), to_host(plan.in_table), plan.rows)
+    want_s = sc.scatter_reference(to_host(work["obuf"]), to_host(plan.out_table), to_host(work["init"]))
+    for tile in (3, 4, 6, 12):
+        for rung in ga.GATHER_RUNGS:
+            got = to_host(ga.gather_rung(rung, work["features"], plan, tile))
+            assert got.dtype == np.dtype(dtype)
+            np.testing.assert_array_equal(got[written], want_g[written], err_msg=f"gather {rung} tile {tile}")
+        for rung in sc.SCATTER_RUNGS:
+            got = to_host(sc.scatter_rung(rung, work["obuf"], plan, work["init"], tile))
+            np.testing.assert_array_equal(got, want_s, err_msg=f"scatter {rung} tile {tile}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_batchnorm_rungs_equal_the_reference(crop_coords, dtype):
+    work = ladder._layer_work(crop_coords, 13, dtype, seed=2)
+    lad = ladder.LADDERS["batchnorm"]
+    tol = 4e-6 if dtype == "float32" else 2e-3  # fast math (v2), and one fp16 rounding
+    want = lad.reference(work).astype(np.float64)
+    for rung in lad.adds:
+        got = to_host(lad.run(rung, work)).astype(np.float64)
+        assert np.abs(got - want).max() <= tol * max(1.0, np.abs(want).max()), rung
+
+
+def test_the_ladder_check_can_fail(crop_coords, monkeypatch):
+    """One value of a rung's result off (what an off-by-one row or channel does) must
+    show in the agreement column."""
+    work = ladder._layer_work(crop_coords, 8, "float32")
+    lad = ladder.LADDERS["scatter"]
+    assert ladder.agreement(lad, "v2", work) == 0.0
+    real = lad.run
+
+    def one_off(rung, w):
+        out = to_host(real(rung, w)).copy()
+        out[len(out) // 2, 3] += 1.0
+        return out
+
+    monkeypatch.setattr(lad, "run", one_off)
+    assert ladder.agreement(lad, "v2", work) == pytest.approx(1.0)
+
+
+def test_ladder_command(capsys):
+    from numba_sc.__main__ import main
+
+    load_scan("semantickitti")  # skips without the data
+    assert main(["ladder", "gather", "batchnorm", "--crop", "150", "--dtypes", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "gather" in out and "v4" in out and "batchnorm" in out
+    with pytest.raises(SystemExit):
+        main(["ladder", "--rounds", "x"])
+    assert main(["ladder", "nosuchstage"]) == 2
