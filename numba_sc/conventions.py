@@ -43,13 +43,21 @@ Kernel offsets
 The rule
     Output ``q`` receives input ``p`` through offset ``delta_k`` when
     ``p = q + delta_k``: ``out[q] = sum_k in[q + delta_k] @ W[k]``.
+
+What the forward search (stage 6) leaves for the metadata (stage 7)
+    Per point, a bit mask of the offsets it has a pair through: bit ``k % 32`` of
+    word ``k // 32`` (``MASK_BITS``, :func:`mask_words`); and the pairs of each
+    offset counted per *chunk* of :func:`chunk_size` consecutive outputs, the
+    outputs one metadata block handles (``ITEMS_PER_THREAD`` a thread). Both
+    stages read these layouts from here, so the search never imports the stage
+    after it.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import cuda
 
-from .backend import launch
+from .backend import launch, simulating
 
 # ---------------------------------------------------------------- key layout
 COORD_BITS = 18
@@ -63,6 +71,35 @@ SHIFT_Y = COORD_BITS  # 18
 SHIFT_X = 2 * COORD_BITS  # 36
 SHIFT_B = 3 * COORD_BITS  # 54
 FIELD_MASK = (1 << COORD_BITS) - 1
+
+
+# ------------------------------------ masks and chunks (stages 6 and 7 share them)
+MASK_BITS = 32  # offsets per word of a point's mask
+
+
+def mask_words(K: int) -> int:
+    """Words of a point's mask for K offsets: ceil(K / MASK_BITS)."""
+    return -(-K // MASK_BITS)
+
+
+METADATA_THREADS = 128  # threads per metadata block on the GPU: chunks of 1024 outputs
+# Under the simulator every CUDA thread is a Python thread: 16 threads (chunks of 128)
+# keep the tests fast and put chunk boundaries inside clouds of a few hundred points.
+SIMULATOR_THREADS = 16
+# Tried on the H100: 32 outputs per thread (fewer blocks, so fewer of the one-thread
+# scans) made the tables kernel 2.3x slower on 1M points (330 -> 753 us): a warp's
+# runs then lie 128 bytes apart and every load instruction touches 32 cache lines.
+ITEMS_PER_THREAD = 8
+
+
+def metadata_threads() -> int:
+    """Threads per block of the metadata kernels: 128 on the GPU, 16 simulated."""
+    return SIMULATOR_THREADS if simulating() else METADATA_THREADS
+
+
+def chunk_size(threads: int | None = None) -> int:
+    """Outputs per chunk for blocks of ``threads`` threads (default: this machine's)."""
+    return (threads or metadata_threads()) * ITEMS_PER_THREAD
 
 
 # ------------------------------------------------------------ argument checks

@@ -52,7 +52,7 @@ import numpy as np
 from numba import cuda, int32, int64, uint64
 
 from .backend import device_xp, filled, launch, simulating
-from .metadata import MASK_BITS
+from .conventions import MASK_BITS
 from .query_segments import query_key, query_key_reference
 
 FORWARD_THREADS = 128  # threads per block on the GPU (the paper's setting)

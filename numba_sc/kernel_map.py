@@ -71,12 +71,12 @@ from functools import lru_cache
 import numpy as np
 
 from . import conventions as cv
+from .conventions import chunk_size, mask_words
 from .backend import (as_array, device_xp, filled, is_cupy, like, piece, piece_template, resolve_backend, simulating,
                       read_later, to_device, to_host)
 from .backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backward_search_cuda, backward_search_reference, check_block_sizes,
                               max_balanced_blocks, num_source_blocks, split_query_blocks_reference)
 from .forward_search import forward_search_cuda, forward_search_reference, mirror_reference
-from .metadata import chunk_size, mask_words
 from .output_coords import output_coordinates
 from .sorting import sort_rows_cuda, sort_rows_reference
 

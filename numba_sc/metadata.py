@@ -120,6 +120,8 @@ import numpy as np
 from numba import cuda, int32, int64, uint64
 
 from . import gemm_grouping as gg
+from .conventions import (ITEMS_PER_THREAD, MASK_BITS, METADATA_THREADS, SIMULATOR_THREADS,  # noqa: F401
+                          chunk_size, mask_words, metadata_threads)
 from .backend import as_array, device_xp, filled, launch, piece, resolve_backend, simulating, to_device, to_device_async, to_host
 
 
@@ -477,25 +479,7 @@ def chunk_rank_reference(counts2d) -> np.ndarray:
 # A chunk is CHUNK = threads * ITEMS_PER_THREAD consecutive outputs of one offset;
 # thread t of its block owns the ITEMS_PER_THREAD outputs starting at
 # chunk start + t * ITEMS_PER_THREAD.
-METADATA_THREADS = 128  # threads per block on the GPU: CHUNK = 1024 outputs
-# Under the simulator every CUDA thread is a Python thread: 16 threads (CHUNK = 128)
-# keep the tests fast and put chunk boundaries inside clouds of a few hundred points.
-SIMULATOR_THREADS = 16
-# Tried on the H100: 32 outputs per thread (fewer blocks, so fewer of the one-thread
-# scans) made the tables kernel 2.3x slower on 1M points (330 -> 753 us): a warp's
-# runs then lie 128 bytes apart and every load instruction touches 32 cache lines.
-ITEMS_PER_THREAD = 8
 MAX_THREADS = 128  # size of the shared arrays below (a compile-time constant)
-
-
-def metadata_threads() -> int:
-    """Threads per block of both kernels: 128 on the GPU, 16 simulated."""
-    return SIMULATOR_THREADS if simulating() else METADATA_THREADS
-
-
-def chunk_size(threads: int | None = None) -> int:
-    """Outputs per chunk for blocks of ``threads`` threads (default: this machine's)."""
-    return (threads or metadata_threads()) * ITEMS_PER_THREAD
 
 
 def _check_threads(threads: int) -> int:
@@ -550,12 +534,6 @@ def chunk_counts_kernel(table, chunk, counts2d):
         counts2d[k, c] = total
 
 
-MASK_BITS = 32  # offsets per word of an output's mask
-
-
-def mask_words(K: int) -> int:
-    """Words of a point's mask for K offsets: ceil(K / MASK_BITS)."""
-    return -(-K // MASK_BITS)
 
 
 AHEAD = 8  # table entries a thread reads before testing the first of them
