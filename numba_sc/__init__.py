@@ -27,8 +27,8 @@ NumPy reference and the CUDA kernels (Numba), in the order of the paper:
 """
 from .backend import gpu_present, resolve_backend, simulating
 from .conventions import kernel_offsets, key_delta, pack_keys, unpack_keys
-from .autotune import TileChoice, autotune, heuristic_tile
-from .conv import sparse_conv3d
+from .autotune import TileChoice, heuristic_tile
+from .conv import autotune, sparse_conv3d
 from .tensor import SparseTensor
 from . import models, nn, spconv_format
 from .gemm_grouping import padding_report

@@ -20,7 +20,9 @@ Cost: ``d(C_in) + d(C_out)`` timed launches per round (``d`` = number of
 divisors; 9 + 9 for 256 channels), once per layer before inference.
 
 Timing only means something on a real GPU. Under the simulator (or with the
-reference backend) :func:`autotune` uses :func:`heuristic_tile` instead, unless
+reference backend) :func:`numba_sc.autotune` (in :mod:`numba_sc.conv`, which
+prepares the layer as the convolution does and hands its samples to
+:func:`search_tiles`) uses :func:`heuristic_tile` instead, unless
 a ``timer`` is injected (how the tests exercise the search). The heuristic:
 start from the largest divisor whose tile is at most 32 bytes (8 fp32 or 16 fp16
 channels: a couple of vector loads per thread, the metadata read amortized over
@@ -36,8 +38,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from .backend import device_xp, simulating
-from .gather import divisors
+from .backend import device_xp
+from .gather import divisors, gather_cuda
+from .scatter import scatter_cuda
 
 TARGET_THREADS = 1 << 17
 MAX_TILE_BYTES = 32
@@ -121,9 +124,6 @@ def search_tiles(samples, c_out, timer, rounds=5, warmup=True):
     where tile 32 takes 117.) ``warmup``: one untimed call of every candidate
     first, which also compiles its kernel.
     """
-    from .gather import gather_cuda
-    from .scatter import scatter_cuda
-
     xp = device_xp()
     c_in = samples[0][0].shape[1]
     dtype = samples[0][0].dtype
@@ -150,45 +150,3 @@ def search_tiles(samples, c_out, timer, rounds=5, warmup=True):
         timings[stage][t] = statistics.median(times)
     best = {s: min(d, key=d.get) for s, d in timings.items()}  # ties: the smaller tile
     return best["gather"], best["scatter"], timings
-
-
-def autotune(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False,
-             kernel_map=None, samples=None, rounds=5, timer=None, layer=None,
-             backend=None) -> TileChoice:
-    """Choose and cache the gather and scatter tile sizes of one layer (Algorithm 2).
-
-    Takes the arguments of :func:`numba_sc.sparse_conv3d`; ``samples`` are more
-    sparse tensors to tune on (default: ``[x]``; with ``kernel_map`` given, only
-    ``x``). ``layer`` names the layer in the cache; later calls of
-    ``sparse_conv3d(..., layer=same name)`` (or, without names, with the same
-    channels, kernel volume, dtype and direction) use the choice.
-
-    On a GPU the search times every divisor with CUDA events (``rounds``
-    interleaved rounds, median; :func:`search_tiles`). Under the simulator or the
-    reference backend timing is meaningless and :func:`heuristic_tile` decides,
-    unless ``timer(fn) -> seconds`` (the time of one call) is given.
-    """
-    from .backend import resolve_backend
-    from .conv import _prepare_layer
-
-    bk = resolve_backend(backend)
-    tensors = [x] + list(samples or []) if kernel_map is None else [x]
-    prepared = [_prepare_layer(s, weight, kernel_size, stride, dilation, transposed,
-                               kernel_map, bk) for s in tensors]
-    feats, w, km, plan = prepared[0]
-    c_in, c_out = w.shape[1], w.shape[2]
-    key = layer_key(layer, c_in, c_out, w.shape[0], feats.dtype, transposed)
-    warmup = timer is None
-    if timer is None and bk == "cuda" and not simulating():
-        timer = gpu_time_once
-    if timer is None or bk == "reference":
-        n_in, n_out = feats.shape[0], plan.n_out
-        item = np.dtype(feats.dtype).itemsize
-        choice = TileChoice(heuristic_tile(c_in, n_in, item), heuristic_tile(c_out, n_out, item),
-                            "heuristic")
-    else:
-        g, s, timings = search_tiles([(f, p) for f, _, _, p in prepared], c_out, timer, rounds,
-                                     warmup)
-        choice = TileChoice(g, s, "autotuned", timings)
-    _CACHE[key] = choice
-    return choice

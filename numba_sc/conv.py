@@ -56,15 +56,15 @@ from __future__ import annotations
 import numpy as np
 
 from . import gemm_grouping as gg
-from .autotune import cached, heuristic_tile, layer_key
-from .backend import device_xp, like, resolve_backend, to_device, to_host
+from .autotune import _CACHE, TileChoice, cached, gpu_time_once, heuristic_tile, layer_key, search_tiles
+from .backend import device_xp, like, resolve_backend, simulating, to_device, to_host
 from .gather import check_tile, gather_cuda, gather_reference
 from .kernel_map import _layer as _layer_args, build_kernel_map
 from .metadata import build_plan, centre_offset, submanifold_centre
 from .scatter import scatter_cuda, scatter_reference
 from .tensor import FEATURE_DTYPES, SparseTensor, same_coordinates
 
-__all__ = ["SparseTensor", "sparse_conv3d", "gmas", "resolve_tiles", "FEATURE_DTYPES"]
+__all__ = ["SparseTensor", "sparse_conv3d", "autotune", "gmas", "resolve_tiles", "FEATURE_DTYPES"]
 
 
 # ------------------------------------------------------------- argument checks
@@ -363,3 +363,42 @@ def _conv(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False, kern
                                      km.tensor_stride, km.transposed)
     return SparseTensor._trusted(like(km.out_coords, x.coords), like(out, x.features),
                                  km.out_tensor_stride, km, None if strided else x.maps)
+
+
+def autotune(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False,
+             kernel_map=None, samples=None, rounds=5, timer=None, layer=None,
+             backend=None) -> TileChoice:
+    """Choose and cache the gather and scatter tile sizes of one layer (Algorithm 2).
+
+    Takes the arguments of :func:`numba_sc.sparse_conv3d`; ``samples`` are more
+    sparse tensors to tune on (default: ``[x]``; with ``kernel_map`` given, only
+    ``x``). ``layer`` names the layer in the cache; later calls of
+    ``sparse_conv3d(..., layer=same name)`` (or, without names, with the same
+    channels, kernel volume, dtype and direction) use the choice.
+
+    On a GPU the search times every divisor with CUDA events (``rounds``
+    interleaved rounds, median; :func:`search_tiles`). Under the simulator or the
+    reference backend timing is meaningless and :func:`heuristic_tile` decides,
+    unless ``timer(fn) -> seconds`` (the time of one call) is given.
+    """
+    bk = resolve_backend(backend)
+    tensors = [x] + list(samples or []) if kernel_map is None else [x]
+    prepared = [_prepare_layer(s, weight, kernel_size, stride, dilation, transposed,
+                               kernel_map, bk) for s in tensors]
+    feats, w, km, plan = prepared[0]
+    c_in, c_out = w.shape[1], w.shape[2]
+    key = layer_key(layer, c_in, c_out, w.shape[0], feats.dtype, transposed)
+    warmup = timer is None
+    if timer is None and bk == "cuda" and not simulating():
+        timer = gpu_time_once
+    if timer is None or bk == "reference":
+        n_in, n_out = feats.shape[0], plan.n_out
+        item = np.dtype(feats.dtype).itemsize
+        choice = TileChoice(heuristic_tile(c_in, n_in, item), heuristic_tile(c_out, n_out, item),
+                            "heuristic")
+    else:
+        g, s, timings = search_tiles([(f, p) for f, _, _, p in prepared], c_out, timer, rounds,
+                                     warmup)
+        choice = TileChoice(g, s, "autotuned", timings)
+    _CACHE[key] = choice
+    return choice
