@@ -164,6 +164,9 @@ def batch_norm_kernel_v2(channels: int):
     the H100's ~3 TB/s the per-value arithmetic, not the memory, set v1's time
     on large clouds (BatchNorm of MinkUNet42 on 1M random voxels in fp16: 49
     calls, 17.9 ms against 12.0 ms for PyTorch's, ``bench_net.py --layers``).
+    What it bought: the 1M network's 49 BatchNorms 17.9 -> 11.2 ms (1.50x -> 0.91x
+    PyTorch's); one call on SemanticKITTI at 64 channels, with the residual and
+    ReLU, 65 -> 48 us fp32 and 77 -> 54 us fp16 (``python -m numba_sc ladder``).
     """
     C = np.uint64(channels)
 
