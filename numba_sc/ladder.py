@@ -13,9 +13,11 @@ This module only runs them, two ways:
   machine costs every rung alike), with the speed-up of each step and over
   v1; ``--out`` writes the table with the device, date and command.
 
-The stages with a ladder so far: ``gather`` (stage 8), ``scatter`` (stage 10)
-and ``batchnorm`` (between the layers). Their workload is one 3x3x3
-submanifold layer on the cloud (its map and plan built by the kernels).
+The stages with a ladder so far: ``search`` (stage 6, the forward search),
+``gather`` (stage 8), ``scatter`` (stage 10) and ``batchnorm`` (between the
+layers). Their workload is one 3x3x3 submanifold layer on the cloud (its map and
+plan built by the kernels). The search rungs build the same table whatever the
+features' dtype; they are timed once per dtype all the same.
 """
 from __future__ import annotations
 
@@ -71,6 +73,63 @@ def _layer_work(coords, channels, dtype, seed=0):
     }
 
 
+def _search_work(coords, B=512, C=1024):
+    """What the forward search of a 3x3x3 submanifold layer reads, made by the Map
+    step's own kernels: packed keys, key deltas, and the balanced query blocks of
+    the backward search, once over all K segments (v1, v2) and once over the
+    first ceil(K / 2) (v3, v4: a symmetric kernel searched halfway)."""
+    from . import conventions as cv
+    from .backward_search import backward_search_cuda, max_balanced_blocks
+    from .forward_search import forward_threads
+    from .kernel_map import _layer
+
+    offsets, deltas = _layer(3, 1, 1, 1)[4:]
+    K, P = len(offsets), len(coords)
+    reach = tuple(int(v) for v in offsets.min(axis=0)), tuple(int(v) for v in offsets.max(axis=0))
+    keys = to_device(cv.pack_keys(np.asarray(coords), *reach))  # sorted: coords are
+    work = {"B": B, "C": C, "K": K, "keys": keys, "threads": forward_threads(C),
+            "table_shape": (K, P)}
+    for h, name in ((K, "full"), ((K + 1) // 2, "half")):
+        d = to_device(np.array(deltas[:h]))  # (a writable copy: the layer's deltas are read-only)
+        upper = max_balanced_blocks(h, P, P, B, C)
+        _, rows, n_rows = backward_search_cuda(keys, keys, d, B, C, upper)
+        work[name] = {"deltas": d, "rows": rows, "n_rows": n_rows, "upper": upper,
+                      "grid": int(to_host(n_rows)[0])}  # v1-v3 launch exactly one block a row
+    return work
+
+
+def _search_rung(rung, w):
+    """Run one forward-search rung; returns the (K, |Q|) table (the mirrored rows filled
+    in for v3 and v4)."""
+    from .backend import filled, launch
+    from .forward_search import forward_search_cuda, forward_search_v1, forward_search_v2, forward_search_v3
+
+    B, C = w["B"], w["C"]
+    if rung == "v4":  # the library's: the upper-bound grid, counts, chunk counts and masks
+        half = w["half"]
+        K, P = w["table_shape"]
+        masks = [filled((-(-K // 32), P), np.int64, 0) for _ in range(2)]
+        table, _, _ = forward_search_cuda(w["keys"], w["keys"], half["deltas"], half["rows"], half["n_rows"], B, C,
+                                          half["upper"], n_offsets=K, out_masks=masks[0], in_masks=masks[1])
+        return table
+    kernel, part = {"v1": (forward_search_v1, "full"), "v2": (forward_search_v2, "full"),
+                    "v3": (forward_search_v3, "half")}[rung]
+    seg = w[part]
+    table = filled(w["table_shape"], np.int32, -1)
+    if seg["grid"]:
+        launch(kernel(B), seg["grid"], w["keys"], w["keys"], seg["deltas"], seg["rows"], table,
+               threads=w["threads"], blocks=seg["grid"])
+    return table
+
+
+def _search_reference(w):
+    from .kernel_map import build_kernel_map_reference
+    from .conventions import unpack_keys
+
+    coords = unpack_keys(to_host(w["keys"]), with_batch=False)
+    return build_kernel_map_reference(coords, 3, assume_sorted=True).table
+
+
 def _rows_in(table):
     """Buffer rows a table points at (the gather writes those and no padding)."""
     t = to_host(table)
@@ -78,6 +137,16 @@ def _rows_in(table):
 
 
 LADDERS = {
+    "search": Ladder(
+        "search",
+        {"v1": "the paper's forward search: shared-memory source block, a lo/hi binary search",
+         "v2": "+ branch-free: exactly log2(B) halvings over a padded block",
+         "v3": "+ a symmetric kernel searched halfway, each hit written twice",
+         "v4": "+ counts, chunk counts and masks for the metadata; constants, unsigned (the library's)"},
+        lambda r, w: _search_rung(r, w["search"]),
+        lambda w: _search_reference(w["search"]),
+        lambda w: None,
+    ),
     "gather": Ladder(
         "gather",
         {"v1": "Algorithm 1: each thread walks its point's row of the dense input table",
@@ -157,8 +226,10 @@ def run_ladder(stages, coords, channels=64, dtypes=("float32", "float16"), round
     head = f"{'stage':10s} {'dtype':8s} {'rung':5s} {'error':>9s} {'ok':>3s}"
     head += f" {'GPU us':>9s} {'step':>6s} {'vs v1':>6s}" if timed else ""
     print_(head + "  adds")
+    search = _search_work(coords) if "search" in stages else None  # (the same for every dtype)
     for dtype in dtypes:
         work = _layer_work(coords, channels, dtype)
+        work["search"] = search
         for stage in stages:
             ladder = LADDERS[stage]
             times = time_rungs(ladder, work, rounds) if timed else {}
