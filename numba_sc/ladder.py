@@ -99,10 +99,19 @@ def _search_work(coords, B=512, C=1024):
 
 
 def _search_rung(rung, w):
-    """Run one forward-search rung; returns the (K, |Q|) table (the mirrored rows filled
-    in for v3 and v4)."""
+    """Run one forward-search rung and what the metadata stage then needs of the map;
+    returns the (K, |Q|) table (the mirrored rows filled in for v3 and v4).
+
+    The library's v4 finds, with each pair, what the metadata stage needs of it:
+    the pairs per offset, per offset and chunk of outputs, and each point's mask
+    of offsets. For v1-v3 those are then made as the metadata stage makes them for
+    a map that lacks them (a count of the table, :func:`~numba_sc.metadata.chunk_counts_cuda`,
+    :func:`~numba_sc.metadata.masks_cuda`: three more passes over it), so that every
+    rung is timed for the same result.
+    """
     from .backend import filled, launch
     from .forward_search import forward_search_cuda, forward_search_v1, forward_search_v2, forward_search_v3
+    from .metadata import chunk_counts_cuda, masks_cuda
 
     B, C = w["B"], w["C"]
     if rung == "v4":  # the library's: the upper-bound grid, counts, chunk counts and masks
@@ -119,6 +128,9 @@ def _search_rung(rung, w):
     if seg["grid"]:
         launch(kernel(B), seg["grid"], w["keys"], w["keys"], seg["deltas"], seg["rows"], table,
                threads=w["threads"], blocks=seg["grid"])
+    (table >= 0).sum(axis=1)  # pairs per offset
+    chunk_counts_cuda(table)
+    masks_cuda(table, w["table_shape"][1])
     return table
 
 
@@ -142,7 +154,7 @@ LADDERS = {
         {"v1": "the paper's forward search: shared-memory source block, a lo/hi binary search",
          "v2": "+ branch-free: exactly log2(B) halvings over a padded block",
          "v3": "+ a symmetric kernel searched halfway, each hit written twice",
-         "v4": "+ counts, chunk counts and masks for the metadata; constants, unsigned (the library's)"},
+         "v4": "+ counts, chunk counts, masks found with the pairs (v1-v3: 3 passes after); constants, unsigned"},
         lambda r, w: _search_rung(r, w["search"]),
         lambda w: _search_reference(w["search"]),
         lambda w: None,
