@@ -299,6 +299,12 @@ class _Conv(Module):
         _check_dtype(self, x, self.weight)
         return _conv(x, self.weight, backend=current_backend(), layer=self.name, keep_plan=True, **kw)
 
+    def _pointwise(self, x, bk):
+        """A 1x1x1 layer of stride 1: ``x.features @ W[0]``, the coordinates kept."""
+        _check_input(self, x, self.in_channels)
+        _check_dtype(self, x, self.weight)
+        return self._finish(pointwise_product(x, self.weight[0], bk), bk)
+
     def extra_repr(self):
         s = f"{self.in_channels}, {self.out_channels}, kernel_size={_short(self.kernel_size)}"
         if self.stride != (1, 1, 1):
@@ -337,9 +343,7 @@ class SubMConv3d(_Conv):
     def forward(self, x):
         bk = current_backend()
         if self.pointwise:
-            _check_input(self, x, self.in_channels)
-            _check_dtype(self, x, self.weight)
-            return self._finish(pointwise_product(x, self.weight[0], bk), bk)
+            return self._pointwise(x, bk)
         key = self._subm_key
         km = x.maps.subm.get(key)
         y = self._conv(x, kernel_size=self.kernel_size, dilation=self.dilation, kernel_map=km)
@@ -364,13 +368,9 @@ class SparseConv3d(_Conv):
         super().__init__(in_channels, out_channels, kernel_size, stride, dilation, bias, rng)
 
     def forward(self, x):
-        bk = current_backend()
         if self.stride == (1, 1, 1):
-            if self.pointwise:
-                _check_input(self, x, self.in_channels)
-                _check_dtype(self, x, self.weight)
-                return self._finish(pointwise_product(x, self.weight[0], bk), bk)
-            return SubMConv3d.forward(self, x)
+            return SubMConv3d.forward(self, x)  # (a 1x1x1 kernel included)
+        bk = current_backend()
         key = self._down_key
         hit = x.maps.down.get(key)
         if hit is not None:  # the same downsampling ran on these coordinates before

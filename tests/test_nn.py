@@ -455,3 +455,17 @@ def test_layer_errors_name_the_layer():
         nn.SparseInverseConv3d(4, 4, 2)
     with pytest.raises(TypeError, match="dtype must be float32 or float16"):
         m.to(np.float64)
+
+
+def test_stride_one_sparse_conv_is_submanifold(rng):
+    """SparseConv3d with stride 1 keeps the coordinates (the Minkowski convention): a
+    kernel of 3 is the submanifold layer, a kernel of 1 the product with W[0]."""
+    x = scan_crop(50)
+    for k in (1, 3):
+        a, b = nn.SparseConv3d(4, 6, k, rng=rng), nn.SubMConv3d(4, 6, k)
+        b.weight = a.weight.copy()
+        ya, yb = a(x.without_maps()), b(x.without_maps())
+        np.testing.assert_array_equal(host(ya.coords), x.coords)
+        np.testing.assert_allclose(host(ya.features), host(yb.features), rtol=1e-6, atol=1e-6)
+        if k == 1:
+            np.testing.assert_allclose(host(ya.features), x.features @ a.weight[0], rtol=1e-5, atol=1e-5)
