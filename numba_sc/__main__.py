@@ -42,7 +42,7 @@ def main(argv=None):
     c.add_argument("--stage", help="only the stages whose name contains this text")
     c.add_argument("--crop", type=int, default=1500, help="points the simulated kernels run on (default 1500)")
     lad = sub.add_parser("ladder", help="each stage's kernels rung by rung: agreement (no GPU) or GPU times")
-    lad.add_argument("stages", nargs="*", help="search, gather, scatter, batchnorm (default: all)")
+    lad.add_argument("stages", nargs="*", help="backward, search, gather, scatter, batchnorm (default: all)")
     lad.add_argument("--points", help="KITTI-style float32 .bin file (default: the SemanticKITTI scan in "
                                       "$NUMBA_SC_DATA or ../shared/data, else a synthetic LiDAR scene)")
     lad.add_argument("--columns", type=int, default=4, help="float32 columns per point in --points (default 4)")

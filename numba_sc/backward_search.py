@@ -44,7 +44,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int64
 
-from .backend import device_xp, launch
+from .backend import device_xp, launch, to_host
 from .query_segments import query_key, query_key_reference
 
 # Defaults of B and C, picked by the B x C sweep on an H100 (benchmarks/bench_map.py,
@@ -142,7 +142,12 @@ def split_query_blocks_reference(bounds, C):
     return rows.astype(np.int32).reshape(-1, 4)
 
 
-# -------------------------------------------------------------------- kernels
+# ------------------------------------------------------------------- the ladder
+# Two rungs: v1 does Figure 11's steps 1-3 as the paper lists them (search every
+# pivot, then cut the blocks, placed by a scan of their row counts); v2, the
+# library's, does all three in one kernel. Both are checked against the
+# reference (tests/test_ladder.py) and timed by ``python -m numba_sc ladder backward``.
+
 @cuda.jit(device=True, inline=True)
 def upper_bound_in_segment(qkeys, deltas, k, pivot, hi):
     """First position in ``0..hi`` of segment k whose query key is greater than ``pivot``."""
@@ -156,12 +161,72 @@ def upper_bound_in_segment(qkeys, deltas, k, pivot, hi):
     return lo
 
 
+@cuda.jit
+def pivot_bounds_v1(skeys, qkeys, deltas, B, bounds):
+    """v1, steps 1-2: one thread per (segment k, source block j) searches pivot j (the
+    block's last key) in segment k: the end of query block (k, j)."""
+    t = cuda.grid(1)
+    nb = bounds.shape[1] - 1
+    if t < deltas.shape[0] * nb:
+        k = t // nb
+        j = t - k * nb
+        pivot = skeys[min((j + 1) * B, skeys.shape[0]) - 1]
+        bounds[k, j + 1] = upper_bound_in_segment(qkeys, deltas, k, pivot, qkeys.shape[0])
+        if j == 0:
+            bounds[k, 0] = 0
+
+
+@cuda.jit
+def split_rows_v1(bounds, C, first, rows):
+    """v1, step 3: one thread per query block (k, j) writes its ``ceil(size / C)``
+    balanced rows from row ``first[k * nblocks + j]`` on (an exclusive scan of the
+    blocks' row counts), so the rows come out in (k, j) order."""
+    t = cuda.grid(1)
+    nb = bounds.shape[1] - 1
+    if t < bounds.shape[0] * nb:
+        k = t // nb
+        j = t - k * nb
+        start = bounds[k, j]
+        size = bounds[k, j + 1] - start
+        n = (size + C - 1) // C
+        for p in range(n):
+            r = first[t] + p
+            rows[r, 0] = k
+            rows[r, 1] = j
+            rows[r, 2] = start + p * size // n
+            rows[r, 3] = start + (p + 1) * size // n
+
+
+def backward_search_v1(skeys, qkeys, deltas, B, C):
+    """v1's launcher: the pivots' kernel, the blocks' row counts and their exclusive scan
+    (the array library), one device read of the total, the split kernel. Returns
+    ``(bounds, rows, n_rows)`` like :func:`backward_search_cuda` (rows in (k, j) order).
+
+    v2 (:func:`backward_search_kernel`) folds it into one kernel: each block's start
+    is its left neighbour's end (passed through shared memory, so each pivot is
+    searched once, not twice), and the rows are placed by atomic reservations
+    instead of a scan: one launch instead of two and the library calls, and no
+    device read."""
+    xp = device_xp()
+    K = deltas.shape[0]
+    nb = num_source_blocks(skeys.shape[0], B)
+    bounds = xp.empty((K, nb + 1), dtype=np.int64)
+    launch(pivot_bounds_v1, K * nb, skeys, qkeys, deltas, B, bounds)
+    pieces = (xp.diff(bounds, axis=1).ravel() + C - 1) // C
+    first = xp.cumsum(pieces) - pieces
+    total = int(to_host(pieces.sum()))
+    rows = xp.empty((max(total, 1), 4), dtype=np.int32)
+    launch(split_rows_v1, K * nb, bounds, C, first, rows)
+    return bounds, rows, xp.asarray(np.array([total], dtype=np.int64))
+
+
 BACKWARD_THREADS = 256  # threads per block of the backward kernel (the shared arrays' size)
 
 
 @cuda.jit
 def backward_search_kernel(skeys, qkeys, deltas, B, C, bounds, rows, n_rows):
-    """One thread per (segment k, source block j): query block (k, j), cut into balanced rows.
+    """v2, the library's: one thread per (segment k, source block j): query block (k, j),
+    cut into balanced rows, all in one kernel.
 
     Thread t handles k = t // nblocks, j = t - k * nblocks, so a warp searches
     neighbouring pivots in one segment and walks nearly the same path through it:

@@ -13,7 +13,7 @@ This module only runs them, two ways:
   machine costs every rung alike), with the speed-up of each step and over
   v1; ``--out`` writes the table with the device, date and command.
 
-The stages with a ladder so far: ``search`` (stage 6, the forward search),
+The stages with a ladder so far: ``backward`` (stage 5), ``search`` (stage 6, the forward search),
 ``gather`` (stage 8), ``scatter`` (stage 10) and ``batchnorm`` (between the
 layers). Their workload is one 3x3x3 submanifold layer on the cloud (its map and
 plan built by the kernels). The search rungs build the same table whatever the
@@ -46,6 +46,7 @@ class Ladder:
     reference: Callable  # reference(work) -> result (host)
     written: Callable  # written(work) -> rows of the result that a kernel writes (or None: all)
     tolerance: dict = None  # dtype -> allowed error (relative to the largest value); None: exact
+    collect: Callable = None  # collect(result) -> the host array compared with the reference
 
 
 def _layer_work(coords, channels, dtype, seed=0):
@@ -134,6 +135,32 @@ def _search_rung(rung, w):
     return table
 
 
+def _backward_rung(rung, w):
+    """One backward-search rung over all K segments: ``(bounds, rows, n_rows)``."""
+    from .backward_search import backward_search_cuda, backward_search_v1
+
+    full = w["full"]
+    if rung == "v1":
+        return backward_search_v1(w["keys"], w["keys"], full["deltas"], w["B"], w["C"])
+    return backward_search_cuda(w["keys"], w["keys"], full["deltas"], w["B"], w["C"], full["upper"])
+
+
+def _bounds_and_rows(result):
+    """The bounds, then the rows in (k, j, start) order (v2 writes them in any order)."""
+    bounds, rows, n_rows = (to_host(a) for a in result)
+    rows = rows[:int(n_rows[0])]
+    rows = rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]
+    return np.concatenate([bounds.ravel(), rows.ravel()])
+
+
+def _backward_reference(w):
+    from .backward_search import backward_search_reference, split_query_blocks_reference
+
+    keys = to_host(w["keys"])
+    bounds, _ = backward_search_reference(keys, keys, to_host(w["full"]["deltas"]), w["B"])
+    return np.concatenate([bounds.ravel(), split_query_blocks_reference(bounds, w["C"]).ravel()])
+
+
 def _search_reference(w):
     from .kernel_map import build_kernel_map_reference
     from .conventions import unpack_keys
@@ -149,6 +176,16 @@ def _rows_in(table):
 
 
 LADDERS = {
+    "backward": Ladder(
+        "backward",
+        {"v1": "Figure 11 steps 1-3 as listed: search every pivot; scan the row counts; cut the blocks",
+         "v2": "+ one kernel: the neighbour's end shared, rows placed by atomics, no read (the library's)"},
+        lambda r, w: _backward_rung(r, w["search"]),
+        lambda w: _backward_reference(w["search"]),
+        lambda w: None,
+        None,
+        _bounds_and_rows,
+    ),
     "search": Ladder(
         "search",
         {"v1": "the paper's forward search: shared-memory source block, a lo/hi binary search",
@@ -197,7 +234,8 @@ LADDERS = {
 def agreement(ladder, rung, work):
     """Max |rung - reference| over the values the rung writes, relative to the largest
     reference value (or 1, when they are all smaller): 0 for an exact stage."""
-    got = np.asarray(to_host(ladder.run(rung, work)), np.float64)
+    res = ladder.run(rung, work)
+    got = np.asarray(ladder.collect(res) if ladder.collect else to_host(res), np.float64)
     want = np.asarray(ladder.reference(work), np.float64)
     rows = ladder.written(work)
     if rows is not None:
@@ -238,7 +276,7 @@ def run_ladder(stages, coords, channels=64, dtypes=("float32", "float16"), round
     head = f"{'stage':10s} {'dtype':8s} {'rung':5s} {'error':>9s} {'ok':>3s}"
     head += f" {'GPU us':>9s} {'step':>6s} {'vs v1':>6s}" if timed else ""
     print_(head + "  adds")
-    search = _search_work(coords) if "search" in stages else None  # (the same for every dtype)
+    search = _search_work(coords) if {"search", "backward"} & set(stages) else None  # (the same for every dtype)
     for dtype in dtypes:
         work = _layer_work(coords, channels, dtype)
         work["search"] = search

@@ -81,9 +81,9 @@ def test_ladder_command(capsys):
 
 
 def test_search_rungs_equal_the_reference():
-    """The forward-search rungs on a crop with small blocks (B = 32 keys, C = 16
-    queries), so that there are many source blocks, a short last one, and split
-    query blocks: every rung must give the reference's table exactly."""
+    """The forward- and backward-search rungs on a crop with small blocks (B = 32 keys,
+    C = 16 queries), so that there are many source blocks, a short last one, and split
+    query blocks: every rung must give the reference's table (bounds and rows) exactly."""
     pts = crop(load_scan("semantickitti"), 900, seed=5)
     coords = ns.voxelize(np.ascontiguousarray(pts[:, :3]), 0.05, backend="reference").coords
     w = ladder._search_work(coords, B=32, C=16)
@@ -92,3 +92,8 @@ def test_search_rungs_equal_the_reference():
     assert (want >= 0).sum() > len(coords)  # pairs beyond the centre
     for rung in ladder.LADDERS["search"].adds:
         np.testing.assert_array_equal(to_host(ladder._search_rung(rung, w)), want, err_msg=rung)
+    # the backward search's rungs on the same blocks: the same bounds and balanced rows
+    want_b = ladder._backward_reference(w)
+    for rung in ladder.LADDERS["backward"].adds:
+        np.testing.assert_array_equal(ladder._bounds_and_rows(ladder._backward_rung(rung, w)), want_b,
+                                      err_msg=f"backward {rung}")
