@@ -13,10 +13,14 @@ This module only runs them, two ways:
   machine costs every rung alike), with the speed-up of each step and over
   v1; ``--out`` writes the table with the device, date and command.
 
-The stages with a ladder so far: ``backward`` (stage 5), ``search`` (stage 6, the forward search),
-``gather`` (stage 8), ``scatter`` (stage 10) and ``batchnorm`` (between the
-layers). Their workload is one 3x3x3 submanifold layer on the cloud (its map and
-plan built by the kernels). The search rungs build the same table whatever the
+The stages with a ladder, in the pipeline's order: ``voxelize`` (stage 1, on the
+scan's points), ``outcoords`` (stage 2, a stride-2 layer's outputs),
+``backward`` (stage 5), ``search`` (stage 6, the forward search), ``metadata``
+(stage 7), ``gather`` (stage 8), ``scatter`` (stage 10) and ``batchnorm``
+(between the layers). The others' workload is one 3x3x3 submanifold layer on
+the cloud (its map and plan built by the kernels). The GEMM grouping (stage 9)
+has one kernel of its own, ``take_weights_kernel`` (a copy of K small matrices),
+with nothing to climb; its lesson is the grouping, on the host. The search rungs build the same table whatever the
 features' dtype; they are timed once per dtype all the same.
 """
 from __future__ import annotations
@@ -30,8 +34,10 @@ from typing import Callable
 import numpy as np
 
 from . import gather as ga
+from . import output_coords as oc
 from . import pointwise as pw
 from . import scatter as sc
+from . import voxelization as vx
 from .autotune import gpu_time_once, heuristic_tile
 from .backend import device_xp, gpu_present, simulating, to_device, to_host
 
@@ -63,6 +69,8 @@ def _layer_work(coords, channels, dtype, seed=0):
     xp = device_xp()
     item = np.dtype(dtype).itemsize
     return {
+        "km": km,
+        "coords": to_device(coords),
         "plan": plan,
         "features": xp.asarray(rng.standard_normal((n, channels)).astype(dtype)),
         "obuf": xp.asarray(rng.standard_normal((rows, channels)).astype(dtype)),
@@ -175,7 +183,67 @@ def _rows_in(table):
     return np.unique(t[t >= 0])
 
 
+def _voxelize_work(points, voxel_size, dtype):
+    """The scan's points (x, y, z) and, as their features, their own columns cast to
+    ``dtype`` (4 with a remission column), on the device."""
+    points = np.asarray(points, np.float32)
+    return {"points": to_device(np.ascontiguousarray(points[:, :3])), "voxel_size": voxel_size,
+            "point_features": to_device(np.ascontiguousarray(points[:, :4].astype(dtype)))}
+
+
+def _voxels(result):
+    """Coordinates and features of a voxelization, side by side."""
+    return np.concatenate([to_host(result.coords), to_host(result.features)], axis=1)
+
+
+def _voxelize_reference(w):
+    from .voxelization import voxelize_reference
+
+    v = voxelize_reference(to_host(w["points"]), w["voxel_size"], to_host(w["point_features"]))
+    return np.concatenate([v.coords, v.features], axis=1)
+
+
+def _tables(result):
+    """A plan's dense tables (made from its lists), or v1's, as one array."""
+    from .metadata import GmasPlan
+
+    out_table, in_table = (result.out_table, result.in_table) if isinstance(result, GmasPlan) else result
+    return np.concatenate([to_host(out_table).ravel(), to_host(in_table).ravel()])
+
+
+def _metadata_rung(rung, w):
+    from .metadata import build_plan_cuda, build_tables_v1
+
+    return build_tables_v1(w["km"]) if rung == "v1" else build_plan_cuda(w["km"])
+
+
+def _metadata_reference(w):
+    from .metadata import build_plan_reference
+
+    plan = build_plan_reference(w["km"])
+    return _tables(plan)
+
+
 LADDERS = {
+    "voxelize": Ladder(
+        "voxelize",
+        {"v1": "the points added into their voxels by atomics (float64), then a division",
+         "v2": "+ each voxel's sorted run summed in a register: no atomics, one pass (the library's)"},
+        lambda r, w: vx.voxelize_rung(r, w["points"], w["voxel_size"], w["point_features"]),
+        _voxelize_reference,
+        lambda w: None,
+        # v1 adds in float64 in the threads' order: exact for these values, but not promised
+        {"float32": 1e-7, "float16": 1e-3},
+        _voxels,
+    ),
+    "outcoords": Ladder(
+        "outcoords",
+        {"v1": "Eq. 1 through voxelization's de-duplication (argsort, order, inverse); two reads",
+         "v2": "+ the keys alone sorted, the range flag read with the count: one read (the library's)"},
+        lambda r, w: oc.output_coordinates_rung(r, w["coords"], 2),
+        lambda w: oc.output_coordinates_reference(to_host(w["coords"]), 2),
+        lambda w: None,
+    ),
     "backward": Ladder(
         "backward",
         {"v1": "Figure 11 steps 1-3 as listed: search every pivot; scan the row counts; cut the blocks",
@@ -195,6 +263,16 @@ LADDERS = {
         lambda r, w: _search_rung(r, w["search"]),
         lambda w: _search_reference(w["search"]),
         lambda w: None,
+    ),
+    "metadata": Ladder(
+        "metadata",
+        {"v1": "dense tables: a library scan over all K x |Q| entries, one thread per entry",
+         "v2": "+ chunks counted by the search, a scan inside each block, per-point lists (the library's)"},
+        _metadata_rung,
+        _metadata_reference,
+        lambda w: None,
+        None,
+        _tables,
     ),
     "gather": Ladder(
         "gather",
@@ -268,9 +346,14 @@ def time_rungs(ladder, work, rounds=20):
 
 
 def run_ladder(stages, coords, channels=64, dtypes=("float32", "float16"), rounds=20, out=None, note="",
-               print_=print):
+               print_=print, points=None, voxel_size=0.05):
     """The ladder table of ``stages`` on ``coords``: agreement with the reference always,
-    GPU times when a GPU runs the kernels. Returns the rows; writes ``out`` (JSON)."""
+    GPU times when a GPU runs the kernels. Returns the rows; writes ``out`` (JSON).
+
+    ``points`` (N, 3 or 4), voxelized at ``voxel_size`` into ``coords``: what the
+    ``voxelize`` ladder starts from (without them it is left out)."""
+    if points is None:
+        stages = [s for s in stages if s != "voxelize"]
     timed = gpu_present() and not simulating()
     rows = []
     head = f"{'stage':10s} {'dtype':8s} {'rung':5s} {'error':>9s} {'ok':>3s}"
@@ -280,6 +363,8 @@ def run_ladder(stages, coords, channels=64, dtypes=("float32", "float16"), round
     for dtype in dtypes:
         work = _layer_work(coords, channels, dtype)
         work["search"] = search
+        if points is not None:
+            work.update(_voxelize_work(points, voxel_size, dtype))
         for stage in stages:
             ladder = LADDERS[stage]
             times = time_rungs(ladder, work, rounds) if timed else {}

@@ -59,7 +59,8 @@ The same example as lists (masks in binary, offset 0 the lowest bit)::
     out masks [0b11, 0b10, 0b11]   out rows: output 0 [0, 2], output 1 [3], output 2 [1, 4]
     in masks  [0b11, 0b11, 0b10]   in rows:  input 0  [1, 2], input 1  [0, 3], input 2  [4]
 
-How the device finds the ranks. The plain way is a scan of ``table >= 0`` along
+How the device finds the ranks. The plain way (:func:`tables_v1`, v1 of this
+stage's ladder, writes the dense tables from it) is a scan of ``table >= 0`` along
 each offset's row, but a library scan over all K x |Q| entries is what used to
 dominate this stage (CuPy on an H100: 107 us for 27 x 94k, 854 us for 27 x 1M,
 ``benchmarks/results/probe_host_costs_h100_2026-11-22.json``). Instead the outputs are cut
@@ -473,6 +474,69 @@ def chunk_rank_reference(counts2d) -> np.ndarray:
     ``rank[k, c * chunk]`` of the plain per-offset scan."""
     counts2d = np.asarray(counts2d, dtype=np.int64)
     return np.cumsum(counts2d, axis=1) - counts2d
+
+
+# ------------------------------------------------------------------------- v1
+@cuda.jit
+def tables_v1(table, rank, base, out_table, in_table):
+    """v1: one thread per entry (k, i) of the map; a pair writes its buffer row into
+    both dense tables.
+
+    ``rank[k, i]`` is the library's inclusive scan of ``table[k] >= 0`` (so the
+    pair's rank is one less), ``base[k]`` the offset's first row (-1: not in the
+    buffers). ``out_table`` (|Q|, K) and ``in_table`` (|P|, K) are filled with -1
+    beforehand. This is the "plain way" of the module docstring, as the layouts
+    define it.
+    """
+    t = cuda.grid(1)
+    K, n_out = table.shape
+    if t < K * n_out:
+        k = t // n_out
+        i = t - k * n_out  # neighbouring threads: neighbouring outputs of one offset
+        j = table[k, i]
+        if j >= 0 and base[k] >= 0:
+            row = base[k] + rank[k, i] - 1
+            out_table[i, k] = row
+            in_table[j, k] = row
+
+
+def build_tables_v1(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
+                    solo_rows=gg.DEFAULT_SOLO_ROWS, direct_centre=True, launch_rows=0):
+    """v1 on the device: the layout on the host, a library scan over all K x |Q|
+    entries, :func:`tables_v1`; returns ``(out_table, in_table)``, dense (N, K).
+
+    What v2 (the library's :func:`build_plan_cuda`) changes, and why:
+
+    * **no library scan**: the scan of 27 x 94k entries cost ~107 us on the H100,
+      of 27 x 1M 854 us. v2 cuts the outputs into chunks, takes each chunk's pair
+      counts from the forward search (which counted them where it found the
+      pairs) and scans only inside a block;
+    * **lists, not tables**: v1's tables are mostly -1 on a sparse cloud, and the
+      gather and scatter would read every entry (v1 of their ladders does). v2
+      writes each point's rows once, packed in offset order behind a bit mask
+      (the masks, too, come from the forward search), so they read only the
+      pairs;
+    * **compiled per K and block size, unsigned indices**: 124M -> 54M warp
+      instructions on 1M points.
+
+    On the H100, the SemanticKITTI scan, one 3x3x3 layer: [[MEASURE metadata]]
+    (``python -m numba_sc ladder metadata``).
+    """
+    counts, order, groups, base, rows, centre, policy = _layout(
+        kernel_map, sort, max_padding, solo_rows, direct_centre, launch_rows)
+    xp = device_xp()
+    table = to_device(kernel_map.table)
+    K, n_out = table.shape
+    n_in = len(kernel_map.in_coords)
+    rank = xp.cumsum(table >= 0, axis=1, dtype=np.int32)
+    out_table = filled((n_out, K), np.int32, -1)
+    in_table = filled((n_in, K), np.int32, -1)
+    if K * n_out:
+        launch(tables_v1, K * n_out, table, rank, to_device(base), out_table, in_table)
+    return out_table, in_table
+
+
+METADATA_RUNGS = ("v1", "v2")
 
 
 # -------------------------------------------------------------------- kernels

@@ -20,6 +20,8 @@ the library sort of the keys and the unique passes of :mod:`numba_sc.sorting`
 keys are needed), then the unpack kernel of voxelization. Bytes for N inputs:
 12-16N read, 8N written, then the sort/unique traffic (~40N). One device->host
 read, of the unique count (with the range flag): the host sizes the output by it.
+That is v2 of a two-rung ladder (``python -m numba_sc ladder outcoords``); v1,
+:func:`output_coordinates_v1`, de-duplicates as voxelization does, with two reads.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from numba import cuda
 
 from . import conventions as cv
 from .backend import device_xp, filled, launch, like, resolve_backend, to_device, to_host
-from .sorting import sort_unique_keys_cuda, sort_unique_reference
+from .sorting import sort_unique_cuda, sort_unique_keys_cuda, sort_unique_reference
 from .voxelization import unpack_kernel
 
 
@@ -85,11 +87,43 @@ def downsample_pack_kernel(coords, s, sx, sy, sz, keys, report):
             report[0] = 1
 
 
-def output_coordinates_cuda(coords, stride, tensor_stride=1):
-    """Kernel path: pack the snapped coordinates, sort and de-duplicate the keys, unpack.
+def output_coordinates_v1(coords, stride, tensor_stride=1):
+    """v1: Eq. 1 with voxelization's own de-duplication (:func:`~numba_sc.sorting.sort_unique_cuda`).
 
-    One device->host read: a two-number report (out of range?, how many unique
-    keys), which the host needs to size the output anyway.
+    Pack, argsort, gather the keys in that order, mark and compact the runs (which
+    also yields the order, the run starts and every input's output index, the
+    things voxelization needs for its features), unpack. Two device->host reads:
+    the range flag, then the unique count.
+    """
+    coords = cv.validate_coords(coords, "coords", check_range=False)
+    sx, sy, sz = _strides(stride, tensor_stride)
+    xp = device_xp()
+    c = to_device(coords)
+    n, s = c.shape[0], c.shape[1] - 3
+    keys = xp.empty(n, dtype=np.int64)
+    report = filled(2, np.int64, 0)
+    launch(downsample_pack_kernel, n, c, s, sx, sy, sz, keys, report)
+    if int(to_host(report)[0]):  # read 1
+        _prepare(to_host(c), stride, tensor_stride)
+    su = sort_unique_cuda(keys)  # read 2, inside: the unique count
+    out = xp.empty((su.keys.shape[0], 3 + s), dtype=np.int32)
+    launch(unpack_kernel, out.shape[0], su.keys, s, out)
+    return out
+
+
+def output_coordinates_cuda(coords, stride, tensor_stride=1):
+    """v2 (the library's): pack the snapped coordinates, sort and de-duplicate the keys
+    alone, unpack.
+
+    What changed from v1: a strided layer needs the unique keys and nothing else,
+    so the library sorts the keys themselves (no argsort, no gather of the keys
+    in the sorted order, no order, starts or inverse), and the range flag rides
+    with the unique count in one two-number report: one device->host read
+    instead of two. Each read is a host-device round trip that stalls the
+    launch queue (~15-20 us of host time each, ``docs/performance.md``). On the
+    H100, the SemanticKITTI scan at stride 2: [[MEASURE outcoords]]
+    (``python -m numba_sc ladder outcoords``); in MinkUNet42 this change took the
+    four strided layers from 1.51x to 1.22x of spconv (fp32).
     """
     # Shape and dtype here; the range inside the kernel (no min/max reductions).
     coords = cv.validate_coords(coords, "coords", check_range=False)
@@ -108,6 +142,16 @@ def output_coordinates_cuda(coords, stride, tensor_stride=1):
     out = xp.empty((m, 3 + s), dtype=np.int32)
     launch(unpack_kernel, m, ukeys, s, out)
     return out
+
+
+def output_coordinates_rung(rung: str, coords, stride, tensor_stride=1):
+    """Run one rung of the ladder: ``"v1"`` or ``"v2"`` (the library's)."""
+    if rung not in OUTPUT_COORDS_RUNGS:
+        raise ValueError(f"rung must be one of {OUTPUT_COORDS_RUNGS}, got {rung!r}")
+    return (output_coordinates_v1 if rung == "v1" else output_coordinates_cuda)(coords, stride, tensor_stride)
+
+
+OUTPUT_COORDS_RUNGS = ("v1", "v2")
 
 
 def _strides(stride, tensor_stride):

@@ -97,3 +97,38 @@ def test_search_rungs_equal_the_reference():
     for rung in ladder.LADDERS["backward"].adds:
         np.testing.assert_array_equal(ladder._bounds_and_rows(ladder._backward_rung(rung, w)), want_b,
                                       err_msg=f"backward {rung}")
+
+
+def test_pipeline_stage_rungs_equal_the_reference(crop_coords):
+    """voxelize, outcoords and metadata: every rung exact on the crop (the voxelize
+    ladder from the crop's own points, 4 feature columns), and each comparison sees
+    an off-by-one: a voxel's mean off, an output coordinate off, a buffer row off."""
+    pts = crop(load_scan("semantickitti"), 350, seed=3)
+    work = ladder._layer_work(crop_coords, 8, "float32")
+    work.update(ladder._voxelize_work(pts, 0.05, "float32"))
+    for stage in ("voxelize", "outcoords", "metadata"):
+        lad = ladder.LADDERS[stage]
+        for rung in lad.adds:
+            assert ladder.agreement(lad, rung, work) == 0.0, (stage, rung)
+    # what v1 of each would give with one thing off by one
+    vox = ladder.LADDERS["voxelize"]
+    bad = vox.collect(vox.run("v1", work))
+    bad[len(bad) // 2, 4] += 1e-3
+    assert np.abs(bad - vox.reference(work)).max() > 0
+    oc_ = ladder.LADDERS["outcoords"]
+    got = to_host(oc_.run("v1", work)).copy()
+    got[-1, 2] += 2
+    assert not np.array_equal(got, oc_.reference(work))
+    from numba_sc.metadata import build_tables_v1, tables_v1
+    from numba_sc.backend import filled, launch, to_device
+    out_t, in_t = build_tables_v1(work["km"])
+    want = ladder._metadata_reference(work)
+    assert np.array_equal(ladder._tables((out_t, in_t)), want)
+    table = to_device(work["km"].table)
+    K, n = table.shape
+    rank = np.cumsum(to_host(table) >= 0, axis=1).astype(np.int32)  # inclusive; v1 takes one off
+    plan = work["plan"]
+    for r in (rank - 1, rank + 1):
+        o, i = filled((n, K), np.int32, -1), filled((len(work["km"].in_coords), K), np.int32, -1)
+        launch(tables_v1, K * n, table, to_device(r), to_device(plan.base), o, i)
+        assert not np.array_equal(ladder._tables((o, i)), want)
