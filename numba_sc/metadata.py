@@ -522,8 +522,7 @@ def build_tables_v1(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
     On the H100, the SemanticKITTI scan, one 3x3x3 layer: [[MEASURE metadata]]
     (``python -m numba_sc ladder metadata``).
     """
-    counts, order, groups, base, rows, centre, policy = _layout(
-        kernel_map, sort, max_padding, solo_rows, direct_centre, launch_rows)
+    base = _layout(kernel_map, sort, max_padding, solo_rows, direct_centre, launch_rows)[3]
     xp = device_xp()
     table = to_device(kernel_map.table)
     K, n_out = table.shape
