@@ -122,7 +122,7 @@ def filled(shape, dtype, value):
 
     Why not ``cupy.full``: it launches an elementwise kernel, which costs tens of
     microseconds of host time, and on the H100 it wrote a 108 MB table at a
-    quarter of the memory bandwidth (129 us, ``benchmarks/probe_timeline.py``).
+    quarter of the memory bandwidth (129 us, the retired ``probe_timeline.py``, ``benchmarks/README.md``).
     0 and -1 are the two values whose bytes are all equal (0x00, 0xFF in two's
     complement), so a byte-wise ``cudaMemsetAsync`` - one driver call, queued on
     the current stream - writes them at full bandwidth.

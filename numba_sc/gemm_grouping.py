@@ -48,7 +48,7 @@ launches by its channels unless told otherwise. On the scan above, 64 -> 64
 channels in fp16 (``launch_rows`` ~117k): 2 GEMMs, 18 offsets of 3,239 rows and
 8 of 21,662, 15 % more rows than the 4 GEMMs, and the whole layer ~9 % less host
 time; 4 -> 16 in fp32 (~375k): 1 GEMM, 6-10 % faster; 256 -> 256 in fp32
-(~4.6k) keeps the 4 (``benchmarks/probe_grouping.py``, H100).
+(~4.6k) keeps the 4 (H100, ``benchmarks/results/grouping_session7_h100_2026-11-23.json``).
 
 Every group is one batched GEMM, ``(G, rows, C_in) @ (G, C_in, C_out)``: cuBLAS
 through ``cupy.matmul`` on the GPU, ``np.matmul`` under the simulator and in the
@@ -337,7 +337,7 @@ def take_weights_kernel(weight, order, out):
 def take_weights_cuda(weight, order):
     """Device ``weight[order]`` with :func:`take_weights_kernel`: one launch through
     the fast path, where ``cupy.take`` cost ~55 us of host time in a layer on the
-    H100 (``benchmarks/probe_timeline.py``)."""
+    H100 (the retired ``probe_timeline.py``, ``benchmarks/README.md``)."""
     K, c_in, c_out = weight.shape
     n = order.shape[0]
     out = device_xp().empty((n, c_in, c_out), dtype=weight.dtype)
