@@ -59,6 +59,18 @@ def kitti_coords(data_dir):
     return numba_sc.voxelize(pts[:, :3], 0.05, backend="reference").coords
 
 
+SCANS = {"kitti": (KITTI, 4, 0.05), "scannet": ("scannet_scene0000_00.bin", 6, 0.02),
+         "sunrgbd": ("sunrgbd_000017.bin", 6, 0.02)}  # file, columns, voxel size (m)
+
+
+def scan_coords(data_dir, name):
+    import numba_sc
+
+    fname, cols, voxel = SCANS[name]
+    pts = np.fromfile(data_dir / fname, np.float32).reshape(-1, cols)
+    return numba_sc.voxelize(np.ascontiguousarray(pts[:, :3]), voxel, backend="reference").coords
+
+
 def random_coords(n=1_000_000, box=400, seed=0):
     """n unique voxels drawn uniformly from a box^3 grid."""
     rng = np.random.default_rng(seed)
@@ -259,7 +271,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--channels", default=",".join(f"{a}-{b}" for a, b in CHANNELS),
                     help="e.g. 4-16,64-64")
-    ap.add_argument("--datasets", default="kitti,random")
+    ap.add_argument("--datasets", default="kitti,random", help="any of kitti, scannet, sunrgbd, random")
     ap.add_argument("--dtypes", default="float32,float16")
     ap.add_argument("--no-spconv", action="store_true")
     ap.add_argument("--note", default="", help="what code this run measured (goes into 'recorded')")
@@ -272,11 +284,11 @@ def main():
     datasets = {}
     for name in args.datasets.split(","):
         try:
-            if name == "kitti":
+            if name in SCANS:
                 d = find_data(args.data)
                 if d is None:
                     raise FileNotFoundError(f"{KITTI} not found in --data, ../shared/data or .devdata")
-                datasets[name] = kitti_coords(d)
+                datasets[name] = scan_coords(d, name)
             elif name == "random":
                 datasets[name] = random_coords()
         except Exception as e:

@@ -114,6 +114,16 @@ def kitti_coords(data_dir):
     return v.coords
 
 
+def scan_coords(data_dir, fname, cols, voxel):
+    """An indoor scan (x, y, z, r, g, b) voxelized on the GPU at ``voxel`` metres."""
+    import cupy
+
+    import numba_sc as ns
+
+    pts = np.fromfile(data_dir / fname, np.float32).reshape(-1, cols)
+    return ns.voxelize(cupy.asarray(np.ascontiguousarray(pts[:, :3])), voxel, backend="cuda").coords
+
+
 def random_coords(n=1_000_000, box=400, seed=0):
     """n unique random voxels, sorted as voxelize / SparseTensor hand coordinates out
     (``shuffled`` gives the same voxels in random order, to time the sort too)."""
@@ -320,6 +330,9 @@ def main(argv=None):
         print(f"no {KITTI} under --data / ../shared/data / .devdata: skipping SemanticKITTI")
     else:
         section(results, "load_kitti", lambda: load("kitti_0.05m", lambda: kitti_coords(data_dir)))
+        for fname, tag in (("scannet_scene0000_00.bin", "scannet_0.02m"), ("sunrgbd_000017.bin", "sunrgbd_0.02m")):
+            if (data_dir / fname).exists():
+                section(results, "load_" + tag, lambda f=fname, t=tag: load(t, lambda: scan_coords(data_dir, f, 6, 0.02)))
     section(results, "make_random", lambda: load(
         f"random_{args.random_n}_in_{args.box}^3", lambda: random_coords(args.random_n, args.box)))
 
