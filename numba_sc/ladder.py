@@ -330,12 +330,15 @@ def agrees(ladder, dtype, error) -> bool:
     return error <= (ladder.tolerance or {}).get(dtype, 0.0)
 
 
-def time_rungs(ladder, work, rounds=20):
-    """Median GPU microseconds of each rung, interleaved rounds (after one warm-up call
-    each, which also compiles)."""
+def time_rungs(ladder, work, rounds=20, warmup=5):
+    """Median GPU microseconds of each rung, interleaved rounds, after ``warmup`` calls
+    of each (the first compiles; the rest let the library's caches and memory pool
+    settle: with one warm-up call, the stages that call the array library read up to
+    2x slower in a fresh process, measured on the H100)."""
     rungs = list(ladder.adds)
-    for r in rungs:
-        ladder.run(r, work)
+    for _ in range(warmup):
+        for r in rungs:
+            ladder.run(r, work)
     samples = {r: [] for r in rungs}
     rng = np.random.default_rng(0)
     for _ in range(rounds):
@@ -343,6 +346,58 @@ def time_rungs(ladder, work, rounds=20):
             r = rungs[i]
             samples[r].append(gpu_time_once(lambda: ladder.run(r, work)) * 1e6)
     return {r: float(np.median(v)) for r, v in samples.items()}
+
+
+def make_work(coords, channels=8, dtype="float32", points=None, voxel_size=0.05, search_blocks=None, seed=0):
+    """Everything the ladders read, for one dtype: a 3x3x3 layer's map, plan and arrays
+    on ``coords``; the points for ``voxelize`` (when given); the search's keys and
+    blocks when ``search_blocks = (B, C)`` is given (small blocks make a crop's
+    search cross many source blocks, as the whole scan's does)."""
+    work = _layer_work(coords, channels, dtype, seed)
+    if points is not None:
+        work.update(_voxelize_work(points, voxel_size, dtype))
+    if search_blocks is not None:
+        work["search"] = _search_work(coords, *search_blocks)
+    return work
+
+
+def check_rungs(stages, work, dtype="float32", print_=print):
+    """Every rung of ``stages`` against its reference on ``work``; raises on a
+    disagreement. Returns {(stage, rung): error}."""
+    errors = {}
+    for stage in stages:
+        ladder = LADDERS[stage]
+        for rung, adds in ladder.adds.items():
+            err = agreement(ladder, rung, work)
+            errors[stage, rung] = err
+            print_(f"{stage:10s} {rung}  error {err:.1e}  {adds}")
+            if not agrees(ladder, dtype, err):
+                raise AssertionError(f"{stage} {rung} disagrees with the reference: {err:.3g}")
+    return errors
+
+
+def plot_recorded(record, stages, axes=None):
+    """Bars of a recorded ladder run (a ``--out`` file, loaded): each rung's GPU time per
+    dtype, labelled with its speed-up over v1; one panel a stage (needs matplotlib)."""
+    import matplotlib.pyplot as plt
+
+    if axes is None:
+        _, axes = plt.subplots(1, len(stages), figsize=(4.2 * len(stages), 3.4), squeeze=False)
+        axes = axes[0]
+    for ax, stage in zip(axes, stages):
+        for j, dt in enumerate(("float32", "float16")):
+            rows = [r for r in record["rows"] if r["stage"] == stage and r["dtype"] == dt]
+            xs = np.arange(len(rows)) + (j - 0.5) * 0.38
+            ax.bar(xs, [r["gpu_us"] for r in rows], 0.38, label=dt, color=f"C{j}")
+            for x, r in zip(xs, rows):
+                ax.text(x, r["gpu_us"], f"{r['vs_v1']:.1f}x", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(rows)), [r["rung"] for r in rows])
+        ax.set_title(stage)
+        ax.set_ylabel("GPU us")
+    axes[0].legend(fontsize=8)
+    rec = record["recorded"]
+    axes[0].figure.suptitle(f"{rec['device']}, {rec['date']}: {record['points']:,} voxels", fontsize=9)
+    return axes
 
 
 def run_ladder(stages, coords, channels=64, dtypes=("float32", "float16"), rounds=20, out=None, note="",
