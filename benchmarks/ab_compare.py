@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _record import recorded  # noqa: E402
-from bench_conv import kitti_coords, random_coords  # noqa: E402
+from bench_conv import random_coords, scan_coords  # noqa: E402
 
 
 def ours(pkg, coords, ch, dtype=np.float32, tiles=(8, 8), cout=None):
@@ -114,7 +114,7 @@ def main():
     ap.add_argument("--cout", type=int, default=None, help="output channels of the layer (default: --channels)")
     ap.add_argument("--dtype", default="float32", help="features and weights: float32 or float16")
     ap.add_argument("--tiles", default="8,8", help="gather,scatter tile sizes of our layers")
-    ap.add_argument("--clouds", default="kitti,random1M")
+    ap.add_argument("--clouds", default="kitti,random1M", help="any of kitti, scannet, sunrgbd, random1M")
     ap.add_argument("--out", default="ab.json")
     ap.add_argument("--note", default="")
     ap.add_argument("--only", default="", help="keep the workloads whose name starts with this (e.g. map)")
@@ -126,7 +126,8 @@ def main():
     if (Path(args.base) / "base_sc").is_dir():
         sys.path.insert(0, str(Path(args.base).resolve()))
         packages["base"] = importlib.import_module("base_sc")
-    makers = {"kitti": lambda: kitti_coords(Path(args.data)), "random1M": random_coords}
+    makers = {name: (lambda n=name: scan_coords(Path(args.data), n)) for name in ("kitti", "scannet", "sunrgbd")}
+    makers["random1M"] = random_coords
     out = {"recorded": recorded(args.note), "clouds": {}}
     for cname in args.clouds.split(","):
         coords = makers[cname]()
