@@ -29,6 +29,7 @@ from .backend import gpu_present, resolve_backend, simulating
 from .conventions import kernel_offsets, key_delta, pack_keys, unpack_keys
 from .autotune import TileChoice, heuristic_tile
 from .conv import autotune, sparse_conv3d
+from .backward import sparse_conv3d_backward
 from .tensor import SparseTensor
 from . import models, nn, spconv_format
 from .gemm_grouping import padding_report
@@ -39,6 +40,7 @@ from .trace import Trace, trace
 from .voxelization import Voxelization, voxelize
 
 __all__ = [
+    "sparse_conv3d_backward",
     "GmasPlan", "KernelMap", "SparseTensor", "TileChoice", "Voxelization", "autotune",
     "build_kernel_map", "build_plan", "gpu_present", "grouping_report", "heuristic_tile",
     "kernel_offsets", "key_delta", "output_coordinates", "pack_keys", "padding_report",

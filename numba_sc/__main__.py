@@ -1,8 +1,9 @@
-"""Command line: ``python -m numba_sc demo``, ``check`` and ``ladder``.
+"""Command line: ``python -m numba_sc demo``, ``check``, ``ladder`` and ``train``.
 
 ``demo`` runs every stage on a scan and times kernels beside references;
 ``check`` compares each stage's kernel with its reference and locates mismatches;
-``ladder`` runs each stage's kernels rung by rung (:mod:`numba_sc.ladder`).
+``ladder`` runs each stage's kernels rung by rung (:mod:`numba_sc.ladder`);
+``train`` fits MinkUNet42 to the labelled SemanticKITTI scan (:mod:`numba_sc.train`).
 """
 from __future__ import annotations
 
@@ -54,6 +55,18 @@ def main(argv=None):
     lad.add_argument("--rounds", type=int, default=20, help="timed rounds on a GPU (default 20)")
     lad.add_argument("--out", help="write the table as JSON (with device, date and command)")
     lad.add_argument("--note", default="", help="what code this run measured (recorded with --out)")
+    tr = sub.add_parser("train", help="fit MinkUNet42 to the labelled SemanticKITTI scan (an overfitting check)")
+    tr.add_argument("--data", help="folder with semantickitti_000000.bin/.label (default $NUMBA_SC_DATA or "
+                                   "../shared/data)")
+    tr.add_argument("--steps", type=int, default=300)
+    tr.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak learning rate (cosine schedule)")
+    tr.add_argument("--width", type=float, default=1.0, help="MinkUNet42 channel multiplier (default 1.0)")
+    tr.add_argument("--crop", type=int, default=None,
+                    help="train on this many points around one point (default: the whole scan on a GPU, "
+                         "600 points without one)")
+    tr.add_argument("--log-every", type=int, default=10)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--out", help="write the loss and score curve as JSON (with device, date and command)")
     args = parser.parse_args(argv)
 
     if argv is None:
@@ -76,7 +89,57 @@ def main(argv=None):
         return 0 if all(ok for _, ok, _ in results) else 1
     if args.command == "ladder":
         return _ladder(args)
+    if args.command == "train":
+        return _train(args)
     return 2
+
+
+def _train(args):
+    import json
+    import time
+    from pathlib import Path
+
+    import numpy as np
+
+    from . import labels, models, optim, train
+    from .backend import gpu_present, simulating
+    from .check import crop_points
+
+    folder = None
+    for d in (args.data, os.environ.get("NUMBA_SC_DATA"), "../shared/data"):
+        if d and (Path(d) / "semantickitti_000000.label").exists():
+            folder = Path(d)
+            break
+    if folder is None:
+        print("semantickitti_000000.bin/.label not found: pass --data FOLDER", file=sys.stderr)
+        return 2
+    points = np.fromfile(folder / "semantickitti_000000.bin", np.float32).reshape(-1, 4)
+    raw = labels.load_semantickitti_labels(folder / "semantickitti_000000.label")
+    on_gpu = gpu_present() and not simulating()
+    crop = args.crop if args.crop is not None else (None if on_gpu else 600)
+    if crop:
+        keep = crop_points(points, crop)
+        points, raw = points[keep], raw[keep]
+    backend = "cuda" if on_gpu else "reference"
+    x, target, inverse, point_target = train.scan_tensor(points, raw, 0.05, backend)
+    model = models.MinkUNet42(4, labels.NUM_CLASSES, width=args.width, seed=args.seed)
+    if on_gpu:
+        model.cuda()
+    opt = optim.AdamW(model.trainable_parameters(), lr=args.lr, weight_decay=0.0)
+    print(f"MinkUNet42 (width {args.width}) on {len(points):,} points, {len(x):,} voxels, "
+          f"{args.steps} steps of AdamW, backend {backend}")
+    history = train.fit_scan(model, opt, x, target, inverse, point_target, args.steps, backend,
+                             schedule=lambda s: optim.cosine_lr(s, args.steps, args.lr, warmup=10),
+                             log_every=args.log_every)
+    if args.out:
+        from .ladder import _device_name
+
+        rec = {"points": int(len(points)), "voxels": int(len(x)), "width": args.width, "steps": args.steps,
+               "lr": args.lr, "history": history,
+               "recorded": {"device": _device_name(), "date": time.strftime("%Y-%m-%d"),
+                            "command": "python -m numba_sc " + " ".join(sys.argv[1:])}}
+        Path(args.out).write_text(json.dumps(rec, indent=1))
+    return 0
 
 
 def _ladder(args):

@@ -222,12 +222,14 @@ def gather_kernel(tile: int, tiles: int, word=None):
     return gather
 
 
-def gather_cuda(features, in_lists, rows, tile):
+def gather_cuda(features, in_lists, rows, tile, zero_padding=False):
     """Device version, the library's: one launch of :func:`gather_kernel` (v4, or v3
     when a tile is not a whole number of words) for all offsets.
 
     ``in_lists``: a plan's :class:`~numba_sc.metadata.PointLists` (``plan.in_lists``),
     or a dense (|P|, K) input table, which is packed into lists first.
+    ``zero_padding``: zero the padding rows (the weight gradient multiplies two
+    buffers' padding rows together, where garbage could be NaN).
     """
     xp = device_xp()
     f = to_device(features)
@@ -235,7 +237,7 @@ def gather_cuda(features, in_lists, rows, tile):
     # Padding rows stay unwritten on the GPU (saves a memset of the whole buffer).
     # Under the simulator they are zeroed, only so that NumPy never sees garbage
     # that could trip an overflow warning in the fp16 GEMM.
-    buf = (xp.zeros if simulating() else xp.empty)((rows, f.shape[1]), dtype=f.dtype)
+    buf = (xp.zeros if simulating() or zero_padding else xp.empty)((rows, f.shape[1]), dtype=f.dtype)
     if rows:
         src, dst = f, buf
         word, tile_words, per_row = row_words(f.itemsize, tile, f.shape[1])

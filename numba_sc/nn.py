@@ -59,7 +59,9 @@ import numpy as np
 from . import conventions as cv
 from . import gemm_grouping as gg
 from . import pointwise as pw
+from .autograd import Tape, add_param_grad, current_tape
 from .backend import like, resolve_backend, to_device, to_host
+from .backward import sparse_conv3d_backward
 from .conv import _conv
 from .tensor import CoordinateMaps, SparseTensor, map_key, same_coordinates
 
@@ -118,6 +120,13 @@ class Module:
         for path, m in self.named_modules():
             for p in m._params:
                 yield (f"{path}.{p}" if path else p), getattr(m, p)
+
+    def trainable_parameters(self):
+        """``(name, array)`` of what training updates: every parameter but BatchNorm's
+        running statistics (buffers, updated by the forward pass itself). Hand
+        these to an optimizer (:mod:`numba_sc.optim`) after moving the model."""
+        return [(k, v) for k, v in self.named_parameters()
+                if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
 
     @property
     def name(self) -> str:
@@ -303,7 +312,34 @@ class _Conv(Module):
         """A 1x1x1 layer of stride 1: ``x.features @ W[0]``, the coordinates kept."""
         _check_input(self, x, self.in_channels)
         _check_dtype(self, x, self.weight)
-        return self._finish(pointwise_product(x, self.weight[0], bk), bk)
+        y = self._finish(pointwise_product(x, self.weight[0], bk), bk)
+        tape = current_tape()
+        if tape is not None:
+            tape.record(y.features, [x.features], lambda g, P: self._pointwise_backward(x, g, P, bk))
+        return y
+
+    def _record(self, x, y, km, transposed, bk):
+        """On an open tape: this layer's backward step (:mod:`numba_sc.backward`)."""
+        tape = current_tape()
+        if tape is not None:
+            tape.record(y.features, [x.features], lambda g, P: self._backward(x, km, transposed, g, P, bk))
+        return y
+
+    def _backward(self, x, km, transposed, g, params, bk):
+        self._bias_grad(g, params)
+        dx, dw = sparse_conv3d_backward(x, self.weight, g, km, transposed, backend=bk)
+        add_param_grad(params, f"{self.name}.weight", dw)
+        return [dx]
+
+    def _pointwise_backward(self, x, g, params, bk):
+        self._bias_grad(g, params)
+        dx, dw0 = pointwise_backward(x.features, self.weight[0], g, bk)
+        add_param_grad(params, f"{self.name}.weight", dw0[None])
+        return [dx]
+
+    def _bias_grad(self, g, params):
+        if "bias" in self._params:
+            add_param_grad(params, f"{self.name}.bias", g.astype(np.float32).sum(axis=0))
 
     def extra_repr(self):
         s = f"{self.in_channels}, {self.out_channels}, kernel_size={_short(self.kernel_size)}"
@@ -316,6 +352,16 @@ class _Conv(Module):
 
 def _short(t):
     return t[0] if len(set(t)) == 1 else t
+
+
+def pointwise_backward(features, matrix, g, backend):
+    """Gradients of ``y = features @ matrix``: ``(g @ matrix.T, features.T @ g)``."""
+    if backend == "reference":
+        f, m, g = to_host(features), to_host(matrix), to_host(g)
+        return gg.matmul(g, np.ascontiguousarray(m.T)), (f.T.astype(np.float32) @ g.astype(np.float32)).astype(f.dtype)
+    f, m, g = to_device(features), to_device(matrix), to_device(g)
+    xp = cv._xp_of(f)
+    return gg.matmul_cuda(g, xp.ascontiguousarray(m.T)), xp.matmul(f.T, g)
 
 
 def pointwise_product(x, matrix, backend):
@@ -348,9 +394,9 @@ class SubMConv3d(_Conv):
         km = x.maps.subm.get(key)
         y = self._conv(x, kernel_size=self.kernel_size, dilation=self.dilation, kernel_map=km)
         if km is None:
-            x.maps.subm[key] = y.kernel_map
+            x.maps.subm[key] = km = y.kernel_map
         y.maps = x.maps  # same coordinates: same maps
-        return self._finish(y, bk)
+        return self._record(x, self._finish(y, bk), km, False, bk)
 
 
 class SparseConv3d(_Conv):
@@ -382,7 +428,7 @@ class SparseConv3d(_Conv):
             x.maps.down[key] = (km, coarse)
             coarse.up[key] = (km, x.maps, self)
         y.maps = coarse
-        return self._finish(y, bk)
+        return self._record(x, self._finish(y, bk), km, False, bk)
 
 
 class SparseInverseConv3d(_Conv):
@@ -432,7 +478,7 @@ class SparseInverseConv3d(_Conv):
         km, fine, _ = hit
         y = self._conv(x, transposed=True, kernel_map=km)
         y.maps = fine  # back on the strided layer's input coordinates, with their maps
-        return self._finish(y, bk)
+        return self._record(x, self._finish(y, bk), km, True, bk)
 
 
 # ------------------------------------------------------------- the rest
@@ -471,7 +517,20 @@ class BatchNorm(Module):
             mean, var = self._batch_statistics(x.features, bk)
         f = pw.batch_norm(x.features, self.weight, self.bias, mean, var, self.eps,
                           None if residual is None else residual.features, relu, backend=bk)
-        return x.with_features(like(f, x.features))
+        y = x.with_features(like(f, x.features))
+        tape = current_tape()
+        if tape is not None:
+            training = self.training
+            tape.record(y.features, [x.features, None if residual is None else residual.features],
+                        lambda g, P: self._backward(x, y, g, mean, var, relu, training, P, bk))
+        return y
+
+    def _backward(self, x, y, g, mean, var, relu, training, params, bk):
+        dx, dweight, dbias, dres = pw.batch_norm_backward(g, x.features, y.features, self.weight, mean, var,
+                                                          self.eps, relu, training, backend=bk)
+        add_param_grad(params, f"{self.name}.weight", dweight)
+        add_param_grad(params, f"{self.name}.bias", dbias)
+        return [dx, dres]
 
     def _batch_statistics(self, features, bk):
         f = to_host(features) if bk == "reference" else to_device(features)
@@ -494,7 +553,11 @@ class ReLU(Module):
 
     def forward(self, x):
         bk = current_backend()
-        return x.with_features(like(pw.relu(x.features, backend=bk), x.features))
+        y = x.with_features(like(pw.relu(x.features, backend=bk), x.features))
+        tape = current_tape()
+        if tape is not None:
+            tape.record(y.features, [x.features], lambda g, P: [pw.relu_backward(g, y.features, backend=bk)])
+        return y
 
 
 class Identity(Module):
@@ -523,7 +586,17 @@ class Linear(Module):
         y = pointwise_product(x, self.weight, bk)
         if "bias" in self._params:
             y = y.with_features(like(pw.bias_add(y.features, self.bias, backend=bk), y.features))
+        tape = current_tape()
+        if tape is not None:
+            tape.record(y.features, [x.features], lambda g, P: self._backward(x, g, P, bk))
         return y
+
+    def _backward(self, x, g, params, bk):
+        if "bias" in self._params:
+            add_param_grad(params, f"{self.name}.bias", g.astype(np.float32).sum(axis=0))
+        dx, dw = pointwise_backward(x.features, self.weight, g, bk)
+        add_param_grad(params, f"{self.name}.weight", dw)
+        return [dx]
 
     def extra_repr(self):
         return f"{self.in_features}, {self.out_features}, bias={'bias' in self._params}"
@@ -588,7 +661,14 @@ def add(a, b, relu=False, backend=None):
     ReLU when asked; the result keeps the coordinates and their maps."""
     _check_same_coords("add", a, b)
     bk = resolve_backend(backend if backend is not None else _BACKEND.get())
-    return a.with_features(like(pw.add(a.features, b.features, relu, backend=bk), a.features))
+    y = a.with_features(like(pw.add(a.features, b.features, relu, backend=bk), a.features))
+    tape = current_tape()
+    if tape is not None:
+        def back(g, params):
+            g = pw.relu_backward(g, y.features, backend=bk) if relu else g
+            return [g, g]
+        tape.record(y.features, [a.features, b.features], back)
+    return y
 
 
 def cat(a, b, backend=None):
@@ -596,4 +676,10 @@ def cat(a, b, backend=None):
     skip connection); the result keeps the coordinates and their maps."""
     _check_same_coords("cat", a, b)
     bk = resolve_backend(backend if backend is not None else _BACKEND.get())
-    return a.with_features(like(pw.concat(a.features, b.features, backend=bk), a.features))
+    y = a.with_features(like(pw.concat(a.features, b.features, backend=bk), a.features))
+    tape = current_tape()
+    if tape is not None:
+        ca = a.channels  # the gradient splits as the channels were joined (copies: kernels want rows)
+        tape.record(y.features, [a.features, b.features],
+                    lambda g, P: [cv._xp_of(g).ascontiguousarray(g[:, :ca]), cv._xp_of(g).ascontiguousarray(g[:, ca:])])
+    return y

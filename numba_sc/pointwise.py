@@ -331,3 +331,109 @@ def concat(a, b, backend=None):
     out = device_xp().empty((ad.shape[0], ad.shape[1] + bd.shape[1]), ad.dtype)
     launch(concat_kernel, out.size, ad, bd, out)
     return out
+
+
+# ==================================================================== backward
+# What each operation above sends back, given ``g = dL/dy`` of its output. The
+# ReLU (alone or at the end of BatchNorm or an add) passes ``g`` where its output
+# was positive and 0 elsewhere: ``g * (y > 0)``, from the output it kept. The add
+# hands that to both operands; the concatenation splits it by channels (a view,
+# no kernel). BatchNorm, with ``xhat = (x - mean) / sqrt(var + eps)`` and
+# ``y = weight * xhat + bias``, sends per channel over the N rows::
+#
+#     dL/dbias   = sum_i g_i               dL/dweight = sum_i g_i * xhat_i
+#     dL/dx_i    = weight / sqrt(var + eps) * (g_i - a - xhat_i * b)
+#
+# where, in training mode (the statistics are the batch's own, so they depend
+# on every x_i), ``a = dL/dbias / N`` and ``b = dL/dweight / N``; at inference
+# (fixed running statistics) ``a = b = 0``. The two sums are reductions over the
+# rows, left to the array library; one kernel then writes dL/dx.
+def relu_backward_reference(g, y):
+    """NumPy: ``g * (y > 0)``."""
+    g = np.asarray(g)
+    return np.where(np.asarray(y) > 0, g, g.dtype.type(0))
+
+
+def batch_norm_backward_reference(g, x, y, weight, mean, var, eps=1e-5, relu=False, training=True):
+    """NumPy, float64: ``(dx, dweight, dbias, dresidual)`` of :func:`batch_norm` with
+    statistics ``mean`` and ``var`` (the batch's in training mode, else the running
+    ones). ``y`` is the forward's output (the ReLU's mask); ``dresidual`` is the
+    gradient reaching the residual operand (the masked ``g``)."""
+    g = np.asarray(g, np.float64)
+    if relu:
+        g = np.where(np.asarray(y) > 0, g, 0.0)
+    x = np.asarray(x, np.float64)
+    inv = 1.0 / np.sqrt(np.asarray(var, np.float64) + eps)
+    xhat = (x - np.asarray(mean, np.float64)) * inv
+    dbias = g.sum(axis=0)
+    dweight = (g * xhat).sum(axis=0)
+    n = x.shape[0]
+    a, b = (dbias / n, dweight / n) if training else (0.0, 0.0)
+    dx = np.asarray(weight, np.float64) * inv * (g - a - xhat * b)
+    dt = np.asarray(x).dtype if np.asarray(y).dtype == np.float64 else np.asarray(y).dtype
+    return dx.astype(dt), dweight.astype(np.float32), dbias.astype(np.float32), g.astype(dt)
+
+
+@cuda.jit
+def relu_backward_kernel(g, y, out):
+    """One thread per value: ``g`` where the output ``y`` was positive, else 0."""
+    t = cuda.grid(1)
+    channels = g.shape[1]
+    if t < g.shape[0] * channels:
+        i = t // channels
+        c = t - i * channels
+        out[i, c] = float32(g[i, c]) if y[i, c] > 0 else float32(0.0)
+
+
+@cuda.jit
+def batch_norm_backward_kernel(g, x, y, relu, scale, mean, inv_std, a, b, out):
+    """One thread per value: ``dL/dx = scale * (g' - a - xhat * b)`` per channel, with
+    ``g' = g * (y > 0)`` when ``relu``, ``xhat = (x - mean) * inv_std`` and
+    ``scale = weight * inv_std`` (float32 arithmetic)."""
+    t = cuda.grid(1)
+    channels = g.shape[1]
+    if t < g.shape[0] * channels:
+        i = t // channels
+        c = t - i * channels
+        gv = float32(g[i, c])
+        if relu and not y[i, c] > 0:
+            gv = float32(0.0)
+        xhat = (float32(x[i, c]) - mean[c]) * inv_std[c]
+        out[i, c] = scale[c] * (gv - a[c] - xhat * b[c])
+
+
+def relu_backward(g, y, backend=None):
+    """``g * (y > 0)``: the gradient through a ReLU whose output was ``y``."""
+    _check_pair(g, y, "g", "y")
+    if resolve_backend(backend) == "reference":
+        return relu_backward_reference(to_host(g), to_host(y))
+    gd = to_device(g)
+    out = device_xp().empty(gd.shape, gd.dtype)
+    launch(relu_backward_kernel, gd.size, gd, to_device(y), out)
+    return out
+
+
+def batch_norm_backward(g, x, y, weight, mean, var, eps=1e-5, relu=False, training=True, backend=None):
+    """Gradients of :func:`batch_norm` (module section above): ``(dx, dweight, dbias,
+    dresidual)``; ``dresidual`` is ``g`` after the ReLU's mask (what a residual
+    operand receives), the others as named. ``mean``/``var``: the statistics the
+    forward normalized with."""
+    _check_pair(g, x, "g", "x")
+    if resolve_backend(backend) == "reference":
+        return batch_norm_backward_reference(to_host(g), to_host(x), to_host(y), to_host(weight),
+                                             to_host(mean), to_host(var), eps, relu, training)
+    xp = device_xp()
+    gd, xd, yd = to_device(g), to_device(x), to_device(y)
+    mean, var, weight = _f32(mean), _f32(var), _f32(weight)
+    inv_std = (1.0 / xp.sqrt(var + np.float32(eps))).astype(np.float32)
+    gm = relu_backward(gd, yd) if relu else gd  # the gradient past the ReLU
+    gf = gm.astype(np.float32)
+    dbias = gf.sum(axis=0)
+    dweight = (gf * ((xd.astype(np.float32) - mean) * inv_std)).sum(axis=0)
+    n = xd.shape[0]
+    zero = xp.zeros_like(dbias)
+    a, b = (dbias / np.float32(n), dweight / np.float32(n)) if training else (zero, zero)
+    out = xp.empty(gd.shape, gd.dtype)
+    launch(batch_norm_backward_kernel, gd.size, gd, xd, yd, bool(relu), (weight * inv_std).astype(np.float32),
+           mean, inv_std, a.astype(np.float32), b.astype(np.float32), out)
+    return out, dweight, dbias, gm
