@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import contextvars
 
+from .backend import like
+
 _TAPE = contextvars.ContextVar("numba_sc_tape", default=None)
 
 
@@ -77,6 +79,7 @@ class Tape:
             for a, ga in zip(inputs, step(g, params)):
                 if a is None or ga is None:
                     continue
+                ga = like(ga, a)  # a gradient lives where its array does (host or device)
                 k = id(a)
                 grads[k] = ga if k not in grads else grads[k] + ga
         self._left = grads
@@ -88,6 +91,8 @@ class Tape:
         return self._left.get(id(getattr(x, "features", x)))
 
 
-def add_param_grad(params: dict, name: str, g):
-    """``params[name] += g`` (a layer called twice in one pass gets both gradients)."""
+def add_param_grad(params: dict, name: str, g, param):
+    """``params[name] += g`` (a layer called twice in one pass gets both gradients), on
+    the side of the parameter array ``param`` (host or device), as an optimizer wants."""
+    g = like(g, param)
     params[name] = g if name not in params else params[name] + g

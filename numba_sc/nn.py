@@ -328,18 +328,18 @@ class _Conv(Module):
     def _backward(self, x, km, transposed, g, params, bk):
         self._bias_grad(g, params)
         dx, dw = sparse_conv3d_backward(x, self.weight, g, km, transposed, backend=bk)
-        add_param_grad(params, f"{self.name}.weight", dw)
+        add_param_grad(params, f"{self.name}.weight", dw, self.weight)
         return [dx]
 
     def _pointwise_backward(self, x, g, params, bk):
         self._bias_grad(g, params)
         dx, dw0 = pointwise_backward(x.features, self.weight[0], g, bk)
-        add_param_grad(params, f"{self.name}.weight", dw0[None])
+        add_param_grad(params, f"{self.name}.weight", dw0[None], self.weight)
         return [dx]
 
     def _bias_grad(self, g, params):
         if "bias" in self._params:
-            add_param_grad(params, f"{self.name}.bias", g.astype(np.float32).sum(axis=0))
+            add_param_grad(params, f"{self.name}.bias", g.astype(np.float32).sum(axis=0), self.bias)
 
     def extra_repr(self):
         s = f"{self.in_channels}, {self.out_channels}, kernel_size={_short(self.kernel_size)}"
@@ -528,8 +528,8 @@ class BatchNorm(Module):
     def _backward(self, x, y, g, mean, var, relu, training, params, bk):
         dx, dweight, dbias, dres = pw.batch_norm_backward(g, x.features, y.features, self.weight, mean, var,
                                                           self.eps, relu, training, backend=bk)
-        add_param_grad(params, f"{self.name}.weight", dweight)
-        add_param_grad(params, f"{self.name}.bias", dbias)
+        add_param_grad(params, f"{self.name}.weight", dweight, self.weight)
+        add_param_grad(params, f"{self.name}.bias", dbias, self.bias)
         return [dx, dres]
 
     def _batch_statistics(self, features, bk):
@@ -593,9 +593,9 @@ class Linear(Module):
 
     def _backward(self, x, g, params, bk):
         if "bias" in self._params:
-            add_param_grad(params, f"{self.name}.bias", g.astype(np.float32).sum(axis=0))
+            add_param_grad(params, f"{self.name}.bias", g.astype(np.float32).sum(axis=0), self.bias)
         dx, dw = pointwise_backward(x.features, self.weight, g, bk)
-        add_param_grad(params, f"{self.name}.weight", dw)
+        add_param_grad(params, f"{self.name}.weight", dw, self.weight)
         return [dx]
 
     def extra_repr(self):

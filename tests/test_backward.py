@@ -229,7 +229,7 @@ def test_a_few_training_steps_lower_the_loss():
     points = load_scan("semantickitti")
     raw = load_semantickitti_labels(DATA_DIR / "semantickitti_000000.label")
     keep = np.argsort(np.abs(points[:, :3] - points[100, :3]).max(axis=1), kind="stable")[:500]
-    x, target, inverse, point_target = train.scan_tensor(points[keep], raw[keep], 0.05)
+    x, target, inverse, point_target = train.scan_tensor(points[keep], raw[keep], 0.05, backend="reference")
     net = models.MinkUNet42(4, 19, width=0.25, seed=0)
     opt = optim.AdamW(net.trainable_parameters(), lr=3e-3, weight_decay=0.0)
     losses = [train.train_step(net, x, target, opt, backend="reference") for _ in range(8)]
