@@ -79,7 +79,7 @@ def run_one(net, cloud, coords, feats, args, out):
         with nn.Tape() as tape:
             y = ours(x.without_maps())
         rng = np.random.default_rng(0)
-        g = cupy.asarray(rng.standard_normal(y.features.shape).astype(np.float32) / np.sqrt(y.features.size))
+        g = cupy.asarray((rng.standard_normal(y.features.shape) / np.sqrt(y.features.size)).astype(np.float32))
         grads = tape.backward(y, g)
         rec["out_points"] = int(len(y))
         if net == "unet42":  # output rows = input rows on both sides: g means the same there

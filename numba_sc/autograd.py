@@ -67,6 +67,9 @@ class Tape:
         if tuple(grad.shape) != tuple(out.shape):
             raise ValueError(f"grad must have the shape of y's features {tuple(out.shape)}, got "
                              f"{tuple(grad.shape)}")
+        if grad.dtype != out.dtype:
+            raise TypeError(f"grad is {grad.dtype} but y's features are {out.dtype}: pass "
+                            f"grad.astype({out.dtype.name!r})")
         if not any(step[0] is out for step in self.steps):
             raise ValueError("y was not made by a layer called while this tape was open: run the "
                              "forward pass inside 'with Tape() as tape:'")

@@ -248,3 +248,7 @@ def test_tape_errors(coords):
         tape.backward(y, np.ones_like(y.features))
     with pytest.raises(ValueError, match="shape"):
         tape.backward(y, np.ones((3, 2), np.float32))
+    with nn.Tape() as tape:
+        y = net(x, backend="reference")
+    with pytest.raises(TypeError, match="grad is float64"):
+        tape.backward(y, np.ones(y.features.shape))
