@@ -83,7 +83,8 @@ def run_one(net, cloud, coords, feats, args, out):
         grads = tape.backward(y, g)
         rec["out_points"] = int(len(y))
         if net == "unet42":  # output rows = input rows on both sides: g means the same there
-            ys = twins["Native"](spconv.SparseConvTensor(tfeats, indices, spatial, 1))
+            with torch.no_grad():
+                ys = twins["Native"](spconv.SparseConvTensor(tfeats, indices, spatial, 1))
             cs, _ = spconv_output(ys, lo, np.asarray(y.stride))
             assert np.array_equal(cs, cupy.asnumpy(y.coords)), "output rows differ from spconv's"
             mine = grads_in_spconv_layout(ours, grads, feats.shape[1])
@@ -99,6 +100,12 @@ def run_one(net, cloud, coords, feats, args, out):
                 worst = max(errs, key=errs.get)
                 total_got = np.concatenate([np.asarray(mine[n], np.float64).ravel() for n in errs])
                 total_want = np.concatenate([p.grad.double().cpu().numpy().ravel() for _, p in t.named_parameters()])
+                spgrads = [p.grad.detach().double().cpu().numpy().ravel() for _, p in t.named_parameters()]
+                if "spconv" in rec:  # the two spconv algorithms against each other: fp32's own spread
+                    a, b = np.concatenate(rec.pop("spconv")), np.concatenate(spgrads)
+                    rec["grad_rel_err_native_vs_mig"] = float(np.linalg.norm(a - b) / np.linalg.norm(a))
+                else:
+                    rec["spconv"] = spgrads
                 rec["grad_rel_err"][algo] = {
                     "all": float(np.linalg.norm(total_got - total_want) / np.linalg.norm(total_want)),
                     "worst": errs[worst], "worst_name": worst, "parameters": len(errs)}
@@ -144,6 +151,8 @@ def report(rec):
         print(f"{head}  step ms: ours {s['numba-sc']:.2f} (forward {s['numba-sc forward only']:.2f}), "
               f"spconv Native {s['spconv Native']:.2f}, MaskImplicitGemm {s['spconv MaskImplicitGemm']:.2f}"
               f"  ours / best {s['numba-sc'] / best:.2f}x")
+    if "grad_rel_err_native_vs_mig" in rec:
+        print(f"{'':28s} gradients, spconv Native vs MaskImplicitGemm: {rec['grad_rel_err_native_vs_mig']:.1e}")
     for algo, e in rec.get("grad_rel_err", {}).items():
         print(f"{'':28s} gradients vs spconv {algo}: all {e['all']:.1e}, worst {e['worst']:.1e} "
               f"({e['worst_name']}, {e['parameters']} parameters)")

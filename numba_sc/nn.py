@@ -339,7 +339,7 @@ class _Conv(Module):
 
     def _bias_grad(self, g, params):
         if "bias" in self._params:
-            add_param_grad(params, f"{self.name}.bias", g.astype(np.float32).sum(axis=0), self.bias)
+            add_param_grad(params, f"{self.name}.bias", pw.column_sums(g), self.bias)
 
     def extra_repr(self):
         s = f"{self.in_channels}, {self.out_channels}, kernel_size={_short(self.kernel_size)}"
@@ -540,8 +540,7 @@ class BatchNorm(Module):
         m = self.momentum
         self.running_mean = like((1 - m) * like(self.running_mean, mean) + m * mean, self.running_mean)
         self.running_var = like((1 - m) * like(self.running_var, var) + m * unbiased, self.running_var)
-        self.num_batches_tracked = like(np.asarray(to_host(self.num_batches_tracked)) + 1,
-                                        self.num_batches_tracked)
+        self.num_batches_tracked = self.num_batches_tracked + 1  # on its own side: no device read
         return mean, var
 
     def extra_repr(self):
@@ -593,7 +592,7 @@ class Linear(Module):
 
     def _backward(self, x, g, params, bk):
         if "bias" in self._params:
-            add_param_grad(params, f"{self.name}.bias", g.astype(np.float32).sum(axis=0), self.bias)
+            add_param_grad(params, f"{self.name}.bias", pw.column_sums(g), self.bias)
         dx, dw = pointwise_backward(x.features, self.weight, g, bk)
         add_param_grad(params, f"{self.name}.weight", dw, self.weight)
         return [dx]
