@@ -283,8 +283,8 @@ def column_sums(a):
     """float32 (C,): the sum of each column of ``a`` (N, C), as one matrix-vector product
     (``ones(N) @ a``, cuBLAS on the device). The array library's ``a.sum(axis=0)``
     gives each of the few columns one thread block that walks all N rows, with
-    C apart between its reads: on the H100 that made BatchNorm's statistics
-    ~1 ms a layer on a 94k-voxel scan."""
+    C apart between its reads: on the H100, 94,444 x 64 float32, 1.07 ms against
+    0.10 ms for the product (median of 20)."""
     af = a if a.dtype == np.float32 else a.astype(np.float32)
     xp = device_xp() if not isinstance(af, np.ndarray) else np
     return xp.matmul(xp.ones(af.shape[0], np.float32), af)
