@@ -121,13 +121,33 @@ def weight_grad_cuda(features, grad_out, plan, K):
         item = f.dtype.itemsize
         xbuf = gather_cuda(f, plan.in_lists, plan.rows, heuristic_tile(c_in, f.shape[0], item), zero_padding=True)
         gbuf = gather_cuda(g, plan.out_lists, plan.rows, heuristic_tile(c_out, g.shape[0], item), zero_padding=True)
+        # the groups' products stacked in buffer order, then put at their offsets at once
+        stack = xp.empty((len(plan.order), c_in, c_out), dtype=f.dtype)
+        pos = 0
         for grp in plan.groups:
             n = len(grp.members)
             rows = slice(grp.start, grp.start + n * grp.rows)
             a = xbuf[rows].reshape(n, grp.rows, c_in)
             b = gbuf[rows].reshape(n, grp.rows, c_out)
-            dw[xp.asarray(grp.members)] = xp.matmul(a.transpose(0, 2, 1), b)
+            xp.matmul(a.transpose(0, 2, 1), b, out=stack[pos:pos + n])
+            pos += n
+        dw[_device_order(plan, xp)] = stack
     return dw
+
+
+def _device_order(plan, xp):
+    """``plan.order`` on the device, remembered per order array (a plan and its
+    transposed view share it; a layer's backward asks every step)."""
+    key = id(plan.order)
+    hit = _ORDERS.get(key)
+    if hit is None or hit[0] is not plan.order:
+        if len(_ORDERS) > 512:
+            _ORDERS.clear()
+        hit = _ORDERS[key] = (plan.order, xp.asarray(np.asarray(plan.order, dtype=np.int64)))
+    return hit[1]
+
+
+_ORDERS = {}  # id(order) -> (order, the same on the device)
 
 
 def sparse_conv3d_backward(x, weight, grad_out, kernel_map, transposed=False, backend=None):
