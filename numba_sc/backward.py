@@ -115,8 +115,8 @@ def weight_grad_cuda(features, grad_out, plan, K):
     f, g = to_device(features), to_device(grad_out)
     c_in, c_out = f.shape[1], g.shape[1]
     dw = xp.zeros((K, c_in, c_out), dtype=f.dtype)
-    if plan.centre >= 0:
-        dw[plan.centre] = xp.matmul(f.T, g)  # the centre's pairs are (i, i): all points
+    if plan.centre >= 0:  # the centre's pairs are (i, i): all the points, in place
+        gg.transposed_products_cuda(f, g, 0, f.shape[0], 1, dw, plan.centre)
     if plan.rows:
         item = f.dtype.itemsize
         xbuf = gather_cuda(f, plan.in_lists, plan.rows, heuristic_tile(c_in, f.shape[0], item), zero_padding=True)
@@ -125,12 +125,8 @@ def weight_grad_cuda(features, grad_out, plan, K):
         stack = xp.empty((len(plan.order), c_in, c_out), dtype=f.dtype)
         pos = 0
         for grp in plan.groups:
-            n = len(grp.members)
-            rows = slice(grp.start, grp.start + n * grp.rows)
-            a = xbuf[rows].reshape(n, grp.rows, c_in)
-            b = gbuf[rows].reshape(n, grp.rows, c_out)
-            xp.matmul(a.transpose(0, 2, 1), b, out=stack[pos:pos + n])
-            pos += n
+            gg.transposed_products_cuda(xbuf, gbuf, grp.start, grp.rows, len(grp.members), stack, pos)
+            pos += len(grp.members)
         dw[_device_order(plan, xp)] = stack
     return dw
 

@@ -287,6 +287,31 @@ def matmul_cuda(features, matrix):
     return _product(features, matrix.data.ptr, matrix.shape[1])
 
 
+def transposed_products_cuda(a, b, start, rows, batch, out, out_start=0):
+    """``out[out_start + m] = A_m.T @ B_m`` for m < ``batch``, where ``A_m`` and ``B_m`` are
+    the ``rows`` x C row blocks of ``a`` (N, C_a) and ``b`` (N, C_b) starting at row
+    ``start + m * rows``; ``out`` (M, C_a, C_b). One strided batched cuBLAS call that
+    reads the blocks in place (the weight gradient of a group of offsets: the
+    array library's ``matmul`` of a transposed view copies it first)."""
+    if simulating():
+        for m in range(batch):
+            lo = start + m * rows
+            out[out_start + m] = matmul(np.ascontiguousarray(a[lo:lo + rows].T), b[lo:lo + rows])
+        return out
+    cupy, cublas = _gpu()
+    ca, cb, item = a.shape[1], b.shape[1], a.itemsize
+    t = _CUDA_TYPE[a.dtype]
+    # Row-major out_m (C_a x C_b) is column-major out_m^T = B_m^T A_m: cuBLAS reads B_m as the
+    # column-major (C_b x rows) matrix it is in memory, and A_m (C_a x rows) transposed.
+    cublas.gemmStridedBatchedEx(
+        cupy.cuda.device.get_cublas_handle(), 0, 1, cb, ca, rows, _ONE_PTR,
+        b.data.ptr + start * cb * item, t, cb, rows * cb,
+        a.data.ptr + start * ca * item, t, ca, rows * ca,
+        _ZERO_PTR, out.data.ptr + out_start * ca * cb * item, t, cb, ca * cb,
+        batch, _COMPUTE_32F, _GEMM_DEFAULT)
+    return out
+
+
 def _product(features, w_ptr, c_out):
     """(N, C_in) features times the row-major (C_in, C_out) matrix at ``w_ptr``."""
     cupy, cublas = _gpu()
