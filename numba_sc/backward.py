@@ -107,7 +107,7 @@ def _forward_plan(kernel_map, weight, transposed, backend):
     return plan.transposed() if transposed else plan
 
 
-def weight_grad_cuda(features, grad_out, plan, K):
+def weight_grad_cuda(features, grad_out, plan, K, input_buffer=None):
     """``dL/dW`` (K, C_in, C_out) from the forward plan: both sides gathered into the
     forward's buffer rows (padding zeroed), one batched GEMM ``X_k.T @ G_k`` per
     group, the centre directly. Offsets without pairs get zeros."""
@@ -119,7 +119,9 @@ def weight_grad_cuda(features, grad_out, plan, K):
         gg.transposed_products_cuda(f, g, 0, f.shape[0], 1, dw, plan.centre)
     if plan.rows:
         item = f.dtype.itemsize
-        xbuf = gather_cuda(f, plan.in_lists, plan.rows, heuristic_tile(c_in, f.shape[0], item), zero_padding=True)
+        xbuf = input_buffer
+        if xbuf is None:
+            xbuf = gather_cuda(f, plan.in_lists, plan.rows, heuristic_tile(c_in, f.shape[0], item), zero_padding=True)
         gbuf = gather_cuda(g, plan.out_lists, plan.rows, heuristic_tile(c_out, g.shape[0], item), zero_padding=True)
         # the groups' products stacked in buffer order, then put at their offsets at once
         stack = xp.empty((len(plan.order), c_in, c_out), dtype=f.dtype)
@@ -146,7 +148,7 @@ def _device_order(plan, xp):
 _ORDERS = {}  # id(order) -> (order, the same on the device)
 
 
-def sparse_conv3d_backward(x, weight, grad_out, kernel_map, transposed=False, backend=None):
+def sparse_conv3d_backward(x, weight, grad_out, kernel_map, transposed=False, backend=None, input_buffer=None):
     """Gradients of a sparse convolution: ``(grad_features, grad_weight)``.
 
     Parameters
@@ -162,6 +164,10 @@ def sparse_conv3d_backward(x, weight, grad_out, kernel_map, transposed=False, ba
         submanifold or strided layer; for ``transposed=True``, the strided map it
         was given (``kernel_map=`` of the transposed call).
     backend : None | "cuda" | "reference"
+    input_buffer : optional
+        The input buffer the forward call gathered, its padding rows zeroed
+        (:mod:`numba_sc.nn` keeps it during a :class:`~numba_sc.nn.Tape`): the weight
+        gradient then reads it instead of gathering the inputs again.
 
     Returns ``grad_features`` (|P|, C_in) in ``x``'s row order, and ``grad_weight``
     (K, C_in, C_out) indexed like ``weight``, both of the features' dtype and array
@@ -192,5 +198,8 @@ def sparse_conv3d_backward(x, weight, grad_out, kernel_map, transposed=False, ba
     tiles = resolve_tiles(None, c_out, w.shape[1], g.shape[0], f.shape[0], f.dtype, w.shape[0],
                           not transposed)
     dx = gmas(g, wt, back, tiles, bk)
-    dw = weight_grad_cuda(f, g, plan, w.shape[0])
+    if input_buffer is not None and tuple(input_buffer.shape) != (plan.rows, f.shape[1]):
+        raise ValueError(f"input_buffer must be the forward's (rows, C_in) = ({plan.rows}, {f.shape[1]}) "
+                         f"buffer, got {tuple(input_buffer.shape)}")
+    dw = weight_grad_cuda(f, g, plan, w.shape[0], input_buffer)
     return like(dx, x.features), like(dw, weight)

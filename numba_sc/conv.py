@@ -241,7 +241,7 @@ def _map_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map,
     return move(x.features), move(weight), km
 
 
-def gmas(features, weight, plan, tiles=(1, 1), backend=None, init=None):
+def gmas(features, weight, plan, tiles=(1, 1), backend=None, init=None, keep_buffer=None):
     """The GMaS step on prepared arrays: centre product, gather, grouped GEMMs, scatter.
 
     ``features`` (|P|, C_in) in the map's input order, ``weight`` (K, C_in, C_out)
@@ -264,7 +264,9 @@ def gmas(features, weight, plan, tiles=(1, 1), backend=None, init=None):
     features, weight = to_device(features), to_device(weight)  # no-ops when already there
     if init is None and plan.centre >= 0:
         init = gg.centre_product_cuda(features, weight, plan.centre)
-    ibuf = gather_cuda(features, plan.in_lists, plan.rows, tiles[0])
+    ibuf = gather_cuda(features, plan.in_lists, plan.rows, tiles[0], zero_padding=keep_buffer is not None)
+    if keep_buffer is not None:  # training: the weight gradient reads this buffer again
+        keep_buffer.append(ibuf)
     obuf = xp.empty((plan.rows, c_out), dtype=features.dtype)  # padding rows: never read
     gg.grouped_gemm_cuda(ibuf, weight, plan.groups, obuf)
     return scatter_cuda(obuf, plan.out_lists, init, n_out, c_out, features.dtype, tiles[1])
@@ -316,7 +318,7 @@ def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=Fal
 def _conv(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False, kernel_map=None,
           backend=None, tile_size=None, layer=None, sort_offsets=True,
           max_padding=gg.DEFAULT_MAX_PADDING, solo_rows=gg.DEFAULT_SOLO_ROWS, launch_rows=None,
-          keep_plan=False):
+          keep_plan=False, keep_buffer=None):
     """:func:`sparse_conv3d`, and ``keep_plan``: keep the plan on a map the layer builds
     itself (:mod:`numba_sc.nn` keeps every map it builds, for the layers after it)."""
     bk = resolve_backend(backend)
@@ -357,7 +359,7 @@ def _conv(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False, kern
     n_out = plan.n_out
     tiles = resolve_tiles(tile_size, w.shape[1], w.shape[2], f.shape[0], n_out, f.dtype,
                           w.shape[0], transposed, layer)
-    out = gmas(f, w, plan, tiles, bk, init)
+    out = gmas(f, w, plan, tiles, bk, init, keep_buffer if bk == "cuda" else None)
     if transposed:
         return SparseTensor._trusted(like(km.in_coords, x.coords), like(out, x.features),
                                      km.tensor_stride, km.transposed)

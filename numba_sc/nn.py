@@ -306,7 +306,10 @@ class _Conv(Module):
     def _conv(self, x, **kw):
         _check_input(self, x, self.in_channels)
         _check_dtype(self, x, self.weight)
-        return _conv(x, self.weight, backend=current_backend(), layer=self.name, keep_plan=True, **kw)
+        # On an open tape, the gathered input buffer is kept for the weight gradient
+        self._kept = [] if current_tape() is not None else None
+        return _conv(x, self.weight, backend=current_backend(), layer=self.name, keep_plan=True,
+                     keep_buffer=self._kept, **kw)
 
     def _pointwise(self, x, bk):
         """A 1x1x1 layer of stride 1: ``x.features @ W[0]``, the coordinates kept."""
@@ -319,15 +322,19 @@ class _Conv(Module):
         return y
 
     def _record(self, x, y, km, transposed, bk):
-        """On an open tape: this layer's backward step (:mod:`numba_sc.backward`)."""
+        """On an open tape: this layer's backward step (:mod:`numba_sc.backward`), with the
+        input buffer the forward gathered (padding rows zeroed), so that the weight
+        gradient does not gather it again."""
         tape = current_tape()
         if tape is not None:
-            tape.record(y.features, [x.features], lambda g, P: self._backward(x, km, transposed, g, P, bk))
+            kept, self._kept = (self._kept or [None])[0], None
+            tape.record(y.features, [x.features],
+                        lambda g, P: self._backward(x, km, transposed, g, P, bk, kept))
         return y
 
-    def _backward(self, x, km, transposed, g, params, bk):
+    def _backward(self, x, km, transposed, g, params, bk, input_buffer=None):
         self._bias_grad(g, params)
-        dx, dw = sparse_conv3d_backward(x, self.weight, g, km, transposed, backend=bk)
+        dx, dw = sparse_conv3d_backward(x, self.weight, g, km, transposed, backend=bk, input_buffer=input_buffer)
         add_param_grad(params, f"{self.name}.weight", dw, self.weight)
         return [dx]
 

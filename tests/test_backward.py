@@ -111,6 +111,8 @@ def test_conv_backward_errors(coords):
         sparse_conv3d_backward(x, w, g.astype(np.float64), km)
     with pytest.raises(ValueError, match="weight must have shape"):
         sparse_conv3d_backward(x, w[:, :2], g, km)
+    with pytest.raises(ValueError, match="input_buffer must be"):
+        sparse_conv3d_backward(x, w, g, km, backend="cuda", input_buffer=np.zeros((3, 3), np.float32))
     other = ns.SparseTensor(coords[:-1], x.features[:-1])
     with pytest.raises(ValueError, match="does not fit x"):
         sparse_conv3d_backward(other, w, g, km)
