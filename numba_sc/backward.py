@@ -129,23 +129,8 @@ def weight_grad_cuda(features, grad_out, plan, K, input_buffer=None):
         for grp in plan.groups:
             gg.transposed_products_cuda(xbuf, gbuf, grp.start, grp.rows, len(grp.members), stack, pos)
             pos += len(grp.members)
-        dw[_device_order(plan, xp)] = stack
+        dw[gg._device_order(plan.groups, xp)] = stack
     return dw
-
-
-def _device_order(plan, xp):
-    """``plan.order`` on the device, remembered per order array (a plan and its
-    transposed view share it; a layer's backward asks every step)."""
-    key = id(plan.order)
-    hit = _ORDERS.get(key)
-    if hit is None or hit[0] is not plan.order:
-        if len(_ORDERS) > 512:
-            _ORDERS.clear()
-        hit = _ORDERS[key] = (plan.order, xp.asarray(np.asarray(plan.order, dtype=np.int64)))
-    return hit[1]
-
-
-_ORDERS = {}  # id(order) -> (order, the same on the device)
 
 
 def sparse_conv3d_backward(x, weight, grad_out, kernel_map, transposed=False, backend=None, input_buffer=None):

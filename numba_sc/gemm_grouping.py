@@ -326,16 +326,17 @@ def _product(features, w_ptr, c_out):
 _ORDER_CACHE = {}
 
 
-def _device_order(groups, cupy):
-    """The offsets of ``groups``, in buffer order, as a device array: copied there
-    once per grouping (a layer sees the same few groupings call after call)."""
+def _device_order(groups, xp):
+    """The offsets of ``groups``, in buffer order, as an array of ``xp`` (CuPy, or NumPy
+    under the simulator): copied to the device once per grouping (a layer sees the
+    same few groupings call after call; the weight gradient asks too)."""
     members = tuple(g.members for g in groups)
-    key = (members, cupy.cuda.runtime.getDevice())
+    key = (members, -1 if xp is np else xp.cuda.runtime.getDevice())
     order = _ORDER_CACHE.get(key)
     if order is None:
         if len(_ORDER_CACHE) > 256:
             _ORDER_CACHE.clear()
-        order = _ORDER_CACHE[key] = cupy.asarray(np.array([k for m in members for k in m], dtype=np.int64))
+        order = _ORDER_CACHE[key] = xp.asarray(np.array([k for m in members for k in m], dtype=np.int64))
     return order
 
 
