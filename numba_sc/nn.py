@@ -59,7 +59,7 @@ import numpy as np
 from . import conventions as cv
 from . import gemm_grouping as gg
 from . import pointwise as pw
-from .autograd import Tape, add_param_grad, current_tape
+from .autograd import Tape, add_param_grad, current_tape  # noqa: F401  (Tape: nn.Tape, for users)
 from .backend import like, resolve_backend, to_device, to_host
 from .backward import sparse_conv3d_backward
 from .conv import _conv
@@ -304,12 +304,15 @@ class _Conv(Module):
         return y
 
     def _conv(self, x, **kw):
+        """The layer's convolution: ``(y, kept)``, where ``kept`` is, on an open tape,
+        the input buffer the forward gathered (padding rows zeroed), for the weight
+        gradient to read instead of gathering the inputs again (else None)."""
         _check_input(self, x, self.in_channels)
         _check_dtype(self, x, self.weight)
-        # On an open tape, the gathered input buffer is kept for the weight gradient
-        self._kept = [] if current_tape() is not None else None
-        return _conv(x, self.weight, backend=current_backend(), layer=self.name, keep_plan=True,
-                     keep_buffer=self._kept, **kw)
+        kept = [] if current_tape() is not None else None
+        y = _conv(x, self.weight, backend=current_backend(), layer=self.name, keep_plan=True,
+                  keep_buffer=kept, **kw)
+        return y, (kept or [None])[0]
 
     def _pointwise(self, x, bk):
         """A 1x1x1 layer of stride 1: ``x.features @ W[0]``, the coordinates kept."""
@@ -318,35 +321,23 @@ class _Conv(Module):
         y = self._finish(pointwise_product(x, self.weight[0], bk), bk)
         tape = current_tape()
         if tape is not None:
-            tape.record(y.features, [x.features], lambda g, P: self._pointwise_backward(x, g, P, bk))
+            tape.record(y.features, [x.features], lambda g, P: _product_backward(self, x, self.weight[0], g, P, bk))
         return y
 
-    def _record(self, x, y, km, transposed, bk):
-        """On an open tape: this layer's backward step (:mod:`numba_sc.backward`), with the
-        input buffer the forward gathered (padding rows zeroed), so that the weight
-        gradient does not gather it again."""
+    def _record(self, x, y, km, transposed, bk, kept):
+        """On an open tape: this layer's backward step (:mod:`numba_sc.backward`);
+        ``kept``: the forward's input buffer (:meth:`_conv`)."""
         tape = current_tape()
         if tape is not None:
-            kept, self._kept = (self._kept or [None])[0], None
             tape.record(y.features, [x.features],
                         lambda g, P: self._backward(x, km, transposed, g, P, bk, kept))
         return y
 
     def _backward(self, x, km, transposed, g, params, bk, input_buffer=None):
-        self._bias_grad(g, params)
+        _bias_grad(self, g, params)
         dx, dw = sparse_conv3d_backward(x, self.weight, g, km, transposed, backend=bk, input_buffer=input_buffer)
         add_param_grad(params, f"{self.name}.weight", dw, self.weight)
         return [dx]
-
-    def _pointwise_backward(self, x, g, params, bk):
-        self._bias_grad(g, params)
-        dx, dw0 = pointwise_backward(x.features, self.weight[0], g, bk)
-        add_param_grad(params, f"{self.name}.weight", dw0[None], self.weight)
-        return [dx]
-
-    def _bias_grad(self, g, params):
-        if "bias" in self._params:
-            add_param_grad(params, f"{self.name}.bias", pw.column_sums(g), self.bias)
 
     def extra_repr(self):
         s = f"{self.in_channels}, {self.out_channels}, kernel_size={_short(self.kernel_size)}"
@@ -368,7 +359,23 @@ def pointwise_backward(features, matrix, g, backend):
         return gg.matmul(g, np.ascontiguousarray(m.T)), (f.T.astype(np.float32) @ g.astype(np.float32)).astype(f.dtype)
     f, m, g = to_device(features), to_device(matrix), to_device(g)
     xp = cv._xp_of(f)
-    return gg.matmul_cuda(g, xp.ascontiguousarray(m.T)), xp.matmul(f.T, g)
+    dm = xp.empty((1,) + tuple(m.shape), dtype=f.dtype)  # features.T @ g read in place, as the weight gradient's
+    return gg.matmul_cuda(g, xp.ascontiguousarray(m.T)), gg.transposed_products_cuda(f, g, 0, f.shape[0], 1, dm)[0]
+
+
+def _bias_grad(layer, g, params):
+    """A layer's bias gradient (when it has a bias): the column sums of ``g``."""
+    if "bias" in layer._params:
+        add_param_grad(params, f"{layer.name}.bias", pw.column_sums(g), layer.bias)
+
+
+def _product_backward(layer, x, matrix, g, params, bk):
+    """Backward step of a layer that multiplies every point by ``matrix`` (a 1x1x1
+    convolution's ``weight[0]``, a Linear's ``weight``), then adds its bias."""
+    _bias_grad(layer, g, params)
+    dx, dm = pointwise_backward(x.features, matrix, g, bk)
+    add_param_grad(params, f"{layer.name}.weight", dm.reshape(layer.weight.shape), layer.weight)
+    return [dx]
 
 
 def pointwise_product(x, matrix, backend):
@@ -399,11 +406,11 @@ class SubMConv3d(_Conv):
             return self._pointwise(x, bk)
         key = self._subm_key
         km = x.maps.subm.get(key)
-        y = self._conv(x, kernel_size=self.kernel_size, dilation=self.dilation, kernel_map=km)
+        y, kept = self._conv(x, kernel_size=self.kernel_size, dilation=self.dilation, kernel_map=km)
         if km is None:
             x.maps.subm[key] = km = y.kernel_map
         y.maps = x.maps  # same coordinates: same maps
-        return self._record(x, self._finish(y, bk), km, False, bk)
+        return self._record(x, self._finish(y, bk), km, False, bk, kept)
 
 
 class SparseConv3d(_Conv):
@@ -428,14 +435,14 @@ class SparseConv3d(_Conv):
         hit = x.maps.down.get(key)
         if hit is not None:  # the same downsampling ran on these coordinates before
             km, coarse = hit
-            y = self._conv(x, kernel_map=km)
+            y, kept = self._conv(x, kernel_map=km)
         else:
-            y = self._conv(x, kernel_size=self.kernel_size, stride=self.stride, dilation=self.dilation)
+            y, kept = self._conv(x, kernel_size=self.kernel_size, stride=self.stride, dilation=self.dilation)
             km, coarse = y.kernel_map, CoordinateMaps()
             x.maps.down[key] = (km, coarse)
             coarse.up[key] = (km, x.maps, self)
         y.maps = coarse
-        return self._record(x, self._finish(y, bk), km, False, bk)
+        return self._record(x, self._finish(y, bk), km, False, bk, kept)
 
 
 class SparseInverseConv3d(_Conv):
@@ -483,9 +490,9 @@ class SparseInverseConv3d(_Conv):
                 f"{', '.join(made) if made else 'no strided layer'}. Run the strided layer first, "
                 "in the same forward pass, and give this layer a tensor on its output coordinates")
         km, fine, _ = hit
-        y = self._conv(x, transposed=True, kernel_map=km)
+        y, kept = self._conv(x, transposed=True, kernel_map=km)
         y.maps = fine  # back on the strided layer's input coordinates, with their maps
-        return self._record(x, self._finish(y, bk), km, True, bk)
+        return self._record(x, self._finish(y, bk), km, True, bk, kept)
 
 
 # ------------------------------------------------------------- the rest
@@ -594,15 +601,8 @@ class Linear(Module):
             y = y.with_features(like(pw.bias_add(y.features, self.bias, backend=bk), y.features))
         tape = current_tape()
         if tape is not None:
-            tape.record(y.features, [x.features], lambda g, P: self._backward(x, g, P, bk))
+            tape.record(y.features, [x.features], lambda g, P: _product_backward(self, x, self.weight, g, P, bk))
         return y
-
-    def _backward(self, x, g, params, bk):
-        if "bias" in self._params:
-            add_param_grad(params, f"{self.name}.bias", pw.column_sums(g), self.bias)
-        dx, dw = pointwise_backward(x.features, self.weight, g, bk)
-        add_param_grad(params, f"{self.name}.weight", dw, self.weight)
-        return [dx]
 
     def extra_repr(self):
         return f"{self.in_features}, {self.out_features}, bias={'bias' in self._params}"
