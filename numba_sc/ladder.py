@@ -416,10 +416,8 @@ def run_ladder(stages, coords, channels=64, dtypes=("float32", "float16"), round
     print_(head + "  adds")
     search = _search_work(coords) if {"search", "backward"} & set(stages) else None  # (the same for every dtype)
     for dtype in dtypes:
-        work = _layer_work(coords, channels, dtype)
+        work = make_work(coords, channels, dtype, points, voxel_size)
         work["search"] = search
-        if points is not None:
-            work.update(_voxelize_work(points, voxel_size, dtype))
         for stage in stages:
             ladder = LADDERS[stage]
             times = time_rungs(ladder, work, rounds) if timed else {}

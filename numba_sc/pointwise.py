@@ -383,7 +383,7 @@ def batch_norm_backward_reference(g, x, y, weight, mean, var, eps=1e-5, relu=Fal
     n = x.shape[0]
     a, b = (dbias / n, dweight / n) if training else (0.0, 0.0)
     dx = np.asarray(weight, np.float64) * inv * (g - a - xhat * b)
-    dt = np.asarray(x).dtype if np.asarray(y).dtype == np.float64 else np.asarray(y).dtype
+    dt = np.asarray(y).dtype  # the features' dtype (x is float64 by now)
     return dx.astype(dt), dweight.astype(np.float32), dbias.astype(np.float32), g.astype(dt)
 
 
