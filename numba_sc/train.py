@@ -28,7 +28,7 @@ import numpy as np
 
 from . import labels as lb
 from .autograd import Tape
-from .backend import device_xp, gpu_present, resolve_backend, simulating, to_device, to_host
+from .backend import gpu_present, resolve_backend, simulating, to_device, to_host
 from .loss import cross_entropy
 from .tensor import SparseTensor
 from .voxelization import voxelize
@@ -93,8 +93,6 @@ def fit_scan(model, optimizer, x, target, inverse, point_target, steps, backend=
             optimizer.lr = schedule(step)
         loss = train_step(model, x, target, optimizer, backend)
         if step % log_every == 0 or step == steps - 1:
-            if resolve_backend(backend) == "cuda" and not simulating():
-                device_xp().cuda.Device().synchronize()
             acc, miou = scores(model, x, inverse, point_target, backend)
             rec = {"step": step, "loss": float(loss), "accuracy": acc, "miou": miou,
                    "seconds": time.perf_counter() - t0}
