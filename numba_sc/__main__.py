@@ -94,6 +94,17 @@ def main(argv=None):
     return 2
 
 
+def _data_folder(filename, explicit=None):
+    """The first of ``explicit``, $NUMBA_SC_DATA, ../shared/data and ../../shared/data
+    that holds ``filename`` (a Path), or None."""
+    from pathlib import Path
+
+    for d in (explicit, os.environ.get("NUMBA_SC_DATA"), "../shared/data", "../../shared/data"):
+        if d and (Path(d) / filename).exists():
+            return Path(d)
+    return None
+
+
 def _train(args):
     import json
     import time
@@ -105,11 +116,7 @@ def _train(args):
     from .backend import gpu_present, simulating
     from .check import crop_points
 
-    folder = None
-    for d in (args.data, os.environ.get("NUMBA_SC_DATA"), "../shared/data"):
-        if d and (Path(d) / "semantickitti_000000.label").exists():
-            folder = Path(d)
-            break
+    folder = _data_folder("semantickitti_000000.label", args.data)
     if folder is None:
         print("semantickitti_000000.bin/.label not found: pass --data FOLDER", file=sys.stderr)
         return 2
@@ -143,8 +150,6 @@ def _train(args):
 
 
 def _ladder(args):
-    from pathlib import Path
-
     import numpy as np
 
     from .backend import gpu_present, simulating
@@ -161,10 +166,8 @@ def _ladder(args):
         return 2
     source = args.points
     if source is None:
-        for d in (os.environ.get("NUMBA_SC_DATA"), "../shared/data", "../../shared/data"):
-            if d and (Path(d) / "semantickitti_000000.bin").exists():
-                source = str(Path(d) / "semantickitti_000000.bin")
-                break
+        folder = _data_folder("semantickitti_000000.bin")
+        source = str(folder / "semantickitti_000000.bin") if folder else None
     if source:
         points, _ = load_points(source, args.columns)
     else:
