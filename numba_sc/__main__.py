@@ -116,6 +116,9 @@ def _train(args):
     from .backend import gpu_present, simulating
     from .check import crop_points
 
+    if args.steps < 1:
+        print(f"--steps must be at least 1, got {args.steps}", file=sys.stderr)
+        return 2
     folder = _data_folder("semantickitti_000000.label", args.data)
     if folder is None:
         print("semantickitti_000000.bin/.label not found: pass --data FOLDER", file=sys.stderr)
@@ -136,7 +139,7 @@ def _train(args):
     print(f"MinkUNet42 (width {args.width}) on {len(points):,} points, {len(x):,} voxels, "
           f"{args.steps} steps of AdamW, backend {backend}")
     history = train.fit_scan(model, opt, x, target, inverse, point_target, args.steps, backend,
-                             schedule=lambda s: optim.cosine_lr(s, args.steps, args.lr, warmup=10),
+                             schedule=lambda s: optim.cosine_lr(s, args.steps, args.lr, warmup=min(10, args.steps)),
                              log_every=args.log_every)
     if args.out:
         from .ladder import _device_name

@@ -254,3 +254,18 @@ def test_tape_errors(coords):
         y = net(x, backend="reference")
     with pytest.raises(TypeError, match="grad is float64"):
         tape.backward(y, np.ones(y.features.shape))
+
+
+def test_train_command(tmp_path, capsys):
+    """``python -m numba_sc train`` on a crop with the references: short runs included
+    (the warm-up of the schedule fits in them), the curve written, bad --steps refused."""
+    from numba_sc.__main__ import main
+
+    load_scan("semantickitti")  # skips without the data
+    out = tmp_path / "curve.json"
+    assert main(["train", "--steps", "3", "--crop", "150", "--log-every", "1", "--out", str(out)]) == 0
+    import json
+
+    rec = json.loads(out.read_text())
+    assert [h["step"] for h in rec["history"]] == [0, 1, 2] and rec["points"] == 150
+    assert main(["train", "--steps", "0"]) == 2
