@@ -76,7 +76,9 @@ from .backend import (as_array, device_xp, filled, is_cupy, like, piece, piece_t
                       read_later, to_device, to_host)
 from .backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backward_search_cuda, backward_search_reference, check_block_sizes,
                               max_balanced_blocks, num_source_blocks, split_query_blocks_reference)
-from .forward_search import forward_search_cuda, forward_search_reference, mirror_reference
+from . import grid_map, hash_map
+from .forward_search import _NO_MASKS, forward_search_cuda, forward_search_reference, mirror_reference
+from .map_probe import probe_cuda, probe_reference
 from .output_coords import output_coordinates
 from .sorting import sort_rows_cuda, sort_rows_reference
 
@@ -310,9 +312,11 @@ def _sorted_reference(coords, reach, name, assume_sorted):
 
 def build_kernel_map_reference(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
                                out_coords=None, source_block=DEFAULT_SOURCE_BLOCK, query_block=DEFAULT_QUERY_BLOCK,
-                               assume_sorted=False, symmetric=True, masks=False) -> KernelMap:
-    """The Map step in vectorized NumPy, with the comparisons of both searches counted."""
+                               assume_sorted=False, symmetric=True, masks=False, method="sorted") -> KernelMap:
+    """The Map step in vectorized NumPy, with the comparisons of both searches (or the
+    probes of the hash table, the reads of the grid) counted."""
     B, C = check_block_sizes(source_block, query_block)
+    method = check_method(method)
     ks, st, dil, ts, offsets, deltas = _layer(kernel_size, stride, dilation, tensor_stride)
     in_coords, out_coords = to_host(in_coords), to_host(out_coords)
     _check_columns(in_coords, out_coords)
@@ -330,6 +334,9 @@ def build_kernel_map_reference(in_coords, kernel_size=3, stride=1, dilation=1, t
 
     K, P, Q = len(offsets), len(skeys), len(qkeys)
     h = searched_segments(offsets, submanifold, symmetric)  # segments searched: K or ceil(K/2)
+    if method != "sorted":
+        return _lookup_reference(method, in_sorted, out_sorted, skeys, qkeys, in_order, out_order,
+                                 offsets, deltas, h, ks, st, dil, ts)
     bounds, back_cmp = backward_search_reference(skeys, qkeys, deltas[:h], B)  # stage 5
     rows = split_query_blocks_reference(bounds, C)
     half, fwd_cmp = forward_search_reference(skeys, qkeys, deltas[:h], bounds, B)  # stage 6
@@ -339,7 +346,7 @@ def build_kernel_map_reference(in_coords, kernel_size=3, stride=1, dilation=1, t
     sizes = np.diff(bounds, axis=1)
     queries = K * Q
     stats = {
-        "backend": "reference", "source_block": B, "query_block": C,
+        "backend": "reference", "method": "sorted", "source_block": B, "query_block": C,
         "n_in": P, "n_out": Q, "n_offsets": K, "queries": queries,
         "segments_searched": h, "queries_searched": h * Q,
         "pairs": int(counts.sum()), "hit_rate": float(counts.sum()) / queries,
@@ -357,6 +364,40 @@ def build_kernel_map_reference(in_coords, kernel_size=3, stride=1, dilation=1, t
     }
     return _finish(in_sorted, out_sorted, in_order, offsets, table, counts, stats,
                    ks, st, dil, ts, out_order)
+
+
+def _lookup_reference(method, in_sorted, out_sorted, skeys, qkeys, in_order, out_order, offsets, deltas, h,
+                      ks, st, dil, ts):
+    """The hash-table or dense-grid Map step in NumPy, with its probes (slot reads) counted."""
+    K, P, Q = len(offsets), len(skeys), len(qkeys)
+    if method == "hash":
+        slot_keys, slot_vals, build_probes = hash_map.build_reference(skeys)
+        table, probes = probe_reference(lambda q: hash_map.lookup_reference(slot_keys, slot_vals, q),
+                                        qkeys, deltas[:h], K)
+        extra = {"capacity": len(slot_keys), "load_factor": P / len(slot_keys), "build_probes": build_probes,
+                 "structure_bytes": 12 * len(slot_keys)}
+    else:
+        box, cells = grid_map.grid_box_reference(in_sorted)
+        grid = grid_map.build_reference(skeys, box)
+        table, probes = probe_reference(lambda q: grid_map.lookup_reference(grid, box, q), qkeys, deltas[:h], K)
+        extra = {"cells": cells, "box": tuple(int(v) for v in box[3:7]), "structure_bytes": 4 * cells}
+    counts = (table >= 0).sum(axis=1).astype(np.int64)
+    stats = {"backend": "reference", "method": method, "n_in": P, "n_out": Q, "n_offsets": K, "queries": K * Q,
+             "segments_searched": h, "queries_searched": h * Q, "pairs": int(counts.sum()),
+             "hit_rate": float(counts.sum()) / max(K * Q, 1), "lookups": h * Q, "probes": probes,
+             "probes_per_lookup": probes / max(h * Q, 1), **extra}
+    return _finish(in_sorted, out_sorted, in_order, offsets, table, counts, stats, ks, st, dil, ts, out_order)
+
+
+METHODS = ("sorted", "hash", "grid")
+
+
+def check_method(method):
+    """The ``method`` argument of the Map step: one of :data:`METHODS`."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS} (Minuet's sorted search, a hash table, a dense "
+                         f"grid), got {method!r}")
+    return method
 
 
 # -------------------------------------------------------------------- kernels
@@ -476,6 +517,24 @@ def _search_cuda(skeys, qkeys, d_deltas, K, B, C, work):
     return table, grid
 
 
+def _lookup_cuda(method, skeys, qkeys, in_sorted, d_deltas, K, work):
+    """Stages 5 and 6 replaced by a structure and one probe per (query, offset): the
+    hash table or the dense grid (:mod:`numba_sc.map_probe`); returns the table."""
+    if method == "hash":
+        a, b = hash_map.build_cuda(skeys)
+        lookup = hash_map.lookup_device
+    else:
+        a, b = grid_map.build_cuda(skeys, in_sorted)
+        lookup = grid_map.lookup_device
+    table = filled((K, qkeys.shape[0]), np.int32, -1)
+    xp = device_xp()
+    if xp not in _NO_MASKS:
+        _NO_MASKS[xp] = xp.zeros((1, 1), np.int64)
+    probe_cuda(lookup, a, b, qkeys, d_deltas, table, work.counts, work.chunk, work.chunk_counts,
+               work.out_masks, work.in_masks, _NO_MASKS[xp])
+    return table, a
+
+
 def _check_report(report, sides):
     """Raise the first error the report records. ``sides``: (slot, coords, reach,
     name, assume_sorted) for each packed array. Range errors of every side come
@@ -492,7 +551,8 @@ def _check_report(report, sides):
 
 def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
                           out_coords=None, source_block=DEFAULT_SOURCE_BLOCK, query_block=DEFAULT_QUERY_BLOCK,
-                          assume_sorted=False, symmetric=True, masks=False, while_reading=None) -> KernelMap:
+                          assume_sorted=False, symmetric=True, masks=False, while_reading=None,
+                          method="sorted") -> KernelMap:
     """The Map step with the kernels; arrays stay on the device, no Python loop over K.
 
     Optimistic about the order: coordinates are packed and searched as if they
@@ -504,7 +564,8 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     the step (a sync that leaves the GPU idle while the host catches up).
     """
     B, C = check_block_sizes(source_block, query_block)
-    ks, st, dil, ts, offsets, deltas = _layer(kernel_size, stride, dilation, tensor_stride)
+    method = check_method(method)
+    ks, st, dil, ts, offsets, _ = _layer(kernel_size, stride, dilation, tensor_stride)
     in_coords, out_coords = to_device(in_coords), to_device(out_coords)
     _check_columns(in_coords, out_coords)
     K = len(offsets)
@@ -532,7 +593,7 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     if not submanifold:
         qkeys = work.keys_out
         cv.launch_pack(out_sorted, *query_reach, qkeys, work.flags_out)
-    table, grid = _search_cuda(skeys, qkeys, d_deltas, K, B, C, work)
+    table, found = _find_pairs(method, skeys, qkeys, in_sorted, d_deltas, K, B, C, work)
     # The read below waits for the forward search (~30 us of GPU time on a 94k-voxel
     # scan): the host makes the map meanwhile, everything that needs no report,
     # and queues the caller's work that needs no report either (after the copy,
@@ -554,7 +615,7 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
             qkeys, out_sorted = skeys, in_sorted
         elif unsorted_out:
             qkeys, out_order, out_sorted = sort_rows_cuda(qkeys, out_sorted, work.repeats(REPORT_OUT))
-        table, grid = _search_cuda(skeys, qkeys, d_deltas, K, B, C, work)
+        table, found = _find_pairs(method, skeys, qkeys, in_sorted, d_deltas, K, B, C, work)
         m = _finish_cuda(in_sorted, out_sorted, in_order, offsets, table, work, ks, st, dil, ts, out_order)
         rep = to_host(work.report_read)
         _check_report(rep, [(slot, c, r, n, False) for slot, c, r, n, _ in sides])  # repeated rows
@@ -562,17 +623,31 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     pairs = sum(m.counts_host.tolist())  # K numbers: a list beats a NumPy reduction
     nb = num_source_blocks(P, B)
     m.stats = {
-        "backend": "cuda", "source_block": B, "query_block": C,
+        "backend": "cuda", "method": method,
         "n_in": P, "n_out": Q, "n_offsets": K, "queries": K * Q,
         "segments_searched": h, "queries_searched": h * Q,
         "pairs": pairs, "hit_rate": pairs / (K * Q),
-        "source_blocks": nb,
-        "query_blocks_before_balancing": h * nb,
-        "query_blocks_after_balancing": int(rep[REPORT_ROWS]),
-        "forward_grid_upper_bound": work.upper, "forward_grid_launched": grid,
         "sorted_on_device": unsorted_in or unsorted_out,
     }
+    if method == "sorted":
+        m.stats.update({
+            "source_block": B, "query_block": C, "source_blocks": nb,
+            "query_blocks_before_balancing": h * nb,
+            "query_blocks_after_balancing": int(rep[REPORT_ROWS]),
+            "forward_grid_upper_bound": work.upper, "forward_grid_launched": found})
+    elif method == "hash":
+        m.stats.update({"capacity": int(found.shape[0]), "load_factor": P / int(found.shape[0])})
+    else:
+        m.stats.update({"cells": int(found.shape[0])})
     return m
+
+
+def _find_pairs(method, skeys, qkeys, in_sorted, d_deltas, K, B, C, work):
+    """Stages 5-6 by ``method``: ``(table, what the stats report)``: the forward
+    search's grid for "sorted", the hash table's slot keys or the grid for the others."""
+    if method == "sorted":
+        return _search_cuda(skeys, qkeys, d_deltas, K, B, C, work)
+    return _lookup_cuda(method, skeys, qkeys, in_sorted, d_deltas, K, work)
 
 
 def _finish(in_sorted, out_sorted, in_order, offsets, table, counts, stats, ks, st, dil, ts, out_order):
@@ -592,8 +667,9 @@ def _finish_cuda(in_sorted, out_sorted, in_order, offsets, table, work, ks, st, 
 # ----------------------------------------------------------------------- API
 def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
                      out_coords=None, backend=None, source_block=DEFAULT_SOURCE_BLOCK, query_block=DEFAULT_QUERY_BLOCK,
-                     assume_sorted=False, symmetric=True, masks=False, while_reading=None) -> KernelMap:
-    """Build the kernel map of a sparse convolution (Minuet's Map step).
+                     assume_sorted=False, symmetric=True, masks=False, while_reading=None,
+                     method="sorted") -> KernelMap:
+    """Build the kernel map of a sparse convolution (Minuet's Map step, or an alternative).
 
     Parameters
     ----------
@@ -633,6 +709,14 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
         more to find them. :func:`numba_sc.sparse_conv3d` asks for them; the Map
         step alone does not need them (on 1M random voxels they cost ~10 % of
         the step). Kernel path only: the reference ignores it.
+    method : "sorted" | "hash" | "grid"
+        How the pairs are found; every method gives the same map.
+        ``"sorted"``: Minuet's sorted queries and double-traversed binary search.
+        ``"hash"``: an open-addressing hash table of the input keys and one lookup
+        per query and offset, as spconv and TorchSparse do (:mod:`numba_sc.hash_map`).
+        ``"grid"``: a dense location table over the inputs' bounding box, one read
+        per lookup (:mod:`numba_sc.grid_map`; refused when the box is too large).
+        ``source_block`` and ``query_block`` matter to "sorted" only.
     while_reading : callable, optional
         Kernel path with ``assume_sorted=True`` only (ignored otherwise): called
         with the map once its arrays are queued and the copy of its report to
@@ -657,7 +741,7 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
     """
     kw = dict(kernel_size=kernel_size, stride=stride, dilation=dilation, tensor_stride=tensor_stride,
               out_coords=out_coords, source_block=source_block, query_block=query_block,
-              assume_sorted=assume_sorted, symmetric=symmetric, masks=masks)
+              assume_sorted=assume_sorted, symmetric=symmetric, masks=masks, method=method)
     if resolve_backend(backend) == "reference":
         m = build_kernel_map_reference(in_coords, **kw)
     else:
