@@ -55,16 +55,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import choice as ch
 from . import gemm_grouping as gg
 from .autotune import _CACHE, TileChoice, cached, gpu_time_once, heuristic_tile, layer_key, search_tiles
+from .conventions import _xp_of
 from .backend import device_xp, like, resolve_backend, simulating, to_device, to_host
 from .gather import check_tile, gather_cuda, gather_reference
 from .kernel_map import _layer as _layer_args, build_kernel_map
 from .metadata import build_plan, centre_offset, submanifold_centre
+from .fetch_on_demand import fetch_on_demand_cuda, fetch_on_demand_reference, fetch_plan
+from .implicit_gemm import implicit_gemm_cuda, implicit_gemm_reference, implicit_plan
 from .scatter import scatter_cuda, scatter_reference
 from .tensor import FEATURE_DTYPES, SparseTensor, same_coordinates
 
-__all__ = ["SparseTensor", "sparse_conv3d", "autotune", "gmas", "resolve_tiles", "FEATURE_DTYPES"]
+__all__ = ["SparseTensor", "sparse_conv3d", "autotune", "gmas", "resolve_tiles", "FEATURE_DTYPES",
+           "choose_dataflow"]
 
 
 # ------------------------------------------------------------- argument checks
@@ -272,10 +277,71 @@ def gmas(features, weight, plan, tiles=(1, 1), backend=None, init=None, keep_buf
     return scatter_cuda(obuf, plan.out_lists, init, n_out, c_out, features.dtype, tiles[1])
 
 
+# ------------------------------------------------------ the other dataflows
+def _weight_order_table(km, transposed):
+    """The table the fetch-on-demand and implicit-GEMM dataflows read: (K, n_out),
+    row k pairing outputs with inputs through ``weight[k]``, and its pairs per row.
+
+    A forward layer reads its map's table as it is. A transposed layer reads its
+    strided map backwards: its output j receives input i through ``W[k]`` exactly
+    when ``km.table[k, i] = j``, which is row k of the transposed map's table read
+    in reverse row order (:meth:`KernelMap.transposed` lists row ``K-1-k`` first);
+    made once and kept on the map."""
+    if not transposed:
+        return km.table, km.host_counts()
+    t = km._plans.get("transposed table")
+    if t is None:
+        xp = _xp_of(km.table)
+        t = km._plans["transposed table"] = xp.ascontiguousarray(km.transposed().table[::-1])
+    return t, km.host_counts()
+
+
+def _dataflow_plan(km, flow, transposed, skip, table, counts):
+    """The fetch or implicit plan of a map (pairs grouped by offset / outputs sorted by
+    mask), built once per map and kept on it, like the gmas plan (:func:`_layer_plan`):
+    the layers that share a map share its plans, whichever dataflow each runs."""
+    key = (flow, transposed, skip)
+    plan = km._plans.get(key)
+    if plan is None:
+        plan = fetch_plan(table, counts, skip) if flow == "fetch" else implicit_plan(table, skip=skip)
+        km._plans[key] = plan
+    return plan
+
+
+def _other_dataflow(flow, f, w, km, transposed, init, centre, bk):
+    """A layer by fetch-on-demand or implicit GEMM: ``(|Q|, C_out)`` on the backend's side.
+    ``init`` is the submanifold centre product (offset ``centre``), or None."""
+    table, counts = _weight_order_table(km, transposed)
+    if bk == "reference":
+        if centre >= 0:
+            init = gg.matmul(f, w[centre])
+        run = fetch_on_demand_reference if flow == "fetch" else implicit_gemm_reference
+        return run(f, w, to_host(table), init, centre)
+    plan = _dataflow_plan(km, flow, transposed, centre, table, counts)
+    if flow == "fetch":
+        return fetch_on_demand_cuda(f, w, plan, table.shape[1], init)
+    return implicit_gemm_cuda(f, w, table, plan, init)
+
+
+def _pick_dataflow(dataflow, layer, f, w, km, transposed, training):
+    """The ``dataflow`` argument -> "gmas" | "fetch" | "implicit" (see :mod:`numba_sc.choice`)."""
+    ch.check_dataflow(dataflow)
+    if training:  # the backward pass reads the gmas buffers
+        if dataflow not in ("gmas", "auto"):
+            raise ValueError(f"{_where(layer)}dataflow={dataflow!r} has no backward pass here: training "
+                             "runs dataflow='gmas' (or 'auto', which picks it when training)")
+        return "gmas"
+    if dataflow != "auto":
+        return dataflow
+    n_out = km.in_coords.shape[0] if transposed else km.out_coords.shape[0]
+    key = ch.dataflow_key(layer, w.shape[1], w.shape[2], w.shape[0], f.dtype, transposed, n_out)
+    return ch.dataflow_for(key, w.shape[1], w.shape[2], f.dtype, n_out)
+
+
 def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False,
                   kernel_map=None, backend=None, tile_size=None, layer=None,
                   sort_offsets=True, max_padding=gg.DEFAULT_MAX_PADDING,
-                  solo_rows=gg.DEFAULT_SOLO_ROWS, launch_rows=None) -> SparseTensor:
+                  solo_rows=gg.DEFAULT_SOLO_ROWS, launch_rows=None, dataflow="auto") -> SparseTensor:
     """3D sparse convolution of ``x`` (a :class:`SparseTensor`) with ``weight``.
 
     Parameters
@@ -305,6 +371,15 @@ def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=Fal
         the padding rows one GEMM launch is worth; None prices it by the
         channels (:func:`numba_sc.gemm_grouping.launch_rows`), 0 groups by
         ``max_padding`` alone, as in the paper.
+    dataflow : "auto" | "gmas" | "fetch" | "implicit"
+        How the features move through the GEMMs. ``"gmas"``: Minuet's gather,
+        grouped GEMMs, scatter (the stages above). ``"fetch"``: fetch-on-demand,
+        input rows read straight into each offset's product, results added with
+        atomics (:mod:`numba_sc.fetch_on_demand`). ``"implicit"``: implicit GEMM,
+        each output tile summing over the offsets its rows have
+        (:mod:`numba_sc.implicit_gemm`). ``"auto"``: the dataflow measured fastest
+        for this layer by :func:`numba_sc.choose_dataflow`, else the rule of thumb
+        of :mod:`numba_sc.choice`. All give the same output up to float rounding.
 
     Returns a :class:`SparseTensor` on the output coordinates with the output
     tensor stride, its ``kernel_map`` set to the map used (for a transposed
@@ -312,13 +387,13 @@ def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=Fal
     first read).
     """
     return _conv(x, weight, kernel_size, stride, dilation, transposed, kernel_map, backend,
-                 tile_size, layer, sort_offsets, max_padding, solo_rows, launch_rows)
+                 tile_size, layer, sort_offsets, max_padding, solo_rows, launch_rows, dataflow=dataflow)
 
 
 def _conv(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False, kernel_map=None,
           backend=None, tile_size=None, layer=None, sort_offsets=True,
           max_padding=gg.DEFAULT_MAX_PADDING, solo_rows=gg.DEFAULT_SOLO_ROWS, launch_rows=None,
-          keep_plan=False, keep_buffer=None):
+          keep_plan=False, keep_buffer=None, dataflow="auto"):
     """:func:`sparse_conv3d`, and ``keep_plan``: keep the plan on a map the layer builds
     itself (:mod:`numba_sc.nn` keeps every map it builds, for the layers after it)."""
     bk = resolve_backend(backend)
@@ -346,8 +421,13 @@ def _conv(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False, kern
             # A given map: queued now, before the metadata, which keeps the GPU busy
             # while the host works out the buffer layout (~80 us of Python).
             init = gg.centre_product_cuda(f, w, centre)
-    lr = _launch_rows(launch_rows, w)
     strided = tuple(km.stride) != (1, 1, 1)
+    flow = _pick_dataflow(dataflow, layer, f, w, km, transposed, keep_buffer is not None)
+    if flow != "gmas":
+        centre = submanifold_centre(km) if not transposed else -1
+        out = _other_dataflow(flow, f, w, km, transposed, init, centre, bk)
+        return _result(x, km, out, transposed, strided)
+    lr = _launch_rows(launch_rows, w)
     if kernel_map is not None or keep_plan or (strided and not transposed):
         # a map reused (so may its plan be), or kept for later layers: a strided
         # map's plan is read backwards by the transposed layer that inverts it
@@ -360,6 +440,11 @@ def _conv(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False, kern
     tiles = resolve_tiles(tile_size, w.shape[1], w.shape[2], f.shape[0], n_out, f.dtype,
                           w.shape[0], transposed, layer)
     out = gmas(f, w, plan, tiles, bk, init, keep_buffer if bk == "cuda" else None)
+    return _result(x, km, out, transposed, strided)
+
+
+def _result(x, km, out, transposed, strided):
+    """The layer's output tensor on the map's output side (see :func:`sparse_conv3d`)."""
     if transposed:
         return SparseTensor._trusted(like(km.in_coords, x.coords), like(out, x.features),
                                      km.tensor_stride, km.transposed)
@@ -404,3 +489,39 @@ def autotune(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False,
         choice = TileChoice(g, s, "autotuned", timings)
     _CACHE[key] = choice
     return choice
+
+
+def choose_dataflow(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False,
+                    kernel_map=None, layer=None, rounds=5, timer=None, backend=None) -> ch.Choice:
+    """Measure the three dataflows on one layer and cache the fastest for ``dataflow="auto"``.
+
+    Takes the arguments of :func:`sparse_conv3d` and times it with each dataflow
+    the way a user meets it (:func:`numba_sc.choice.wall_timer`: wall clock
+    between device-wide synchronizes; ``rounds`` interleaved rounds, medians).
+    A layer given ``kernel_map`` reuses its plans after the first call, as the
+    layers of a network do; without one every call builds its map and plans.
+    The choice is cached under ``layer`` when named, else under the layer's shape
+    and the cloud's size class (:func:`numba_sc.choice.dataflow_key`).
+
+    Without a GPU (the simulator, the reference backend) timing means nothing:
+    the rule of thumb's answer comes back, and nothing is cached, unless
+    ``timer(fn) -> seconds`` is given (how the tests drive the measurement).
+    """
+    bk = resolve_backend(backend)
+
+    def run(d):
+        return lambda: _conv(x, weight, kernel_size, stride, dilation, transposed, kernel_map, bk,
+                             layer=layer, dataflow=d)
+
+    y = run("gmas")()
+    w = to_device(weight) if bk == "cuda" else weight
+    key = ch.dataflow_key(layer, w.shape[1], w.shape[2], w.shape[0], x.features.dtype, transposed, len(y))
+    if timer is None and bk == "cuda" and not simulating():
+        timer = ch.wall_timer
+    if timer is None:
+        return ch.Choice(ch.rule_dataflow(w.shape[1], w.shape[2], x.features.dtype, len(y)), "rule")
+    times = ch.measure({d: run(d) for d in ch.DATAFLOWS}, timer, rounds)
+    choice = ch.Choice(min(times, key=times.get), "measured", times)
+    ch.remember_dataflow(key, choice)
+    return choice
+

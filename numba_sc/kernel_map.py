@@ -76,6 +76,7 @@ from .backend import (as_array, device_xp, filled, is_cupy, like, piece, piece_t
                       read_later, to_device, to_host)
 from .backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backward_search_cuda, backward_search_reference, check_block_sizes,
                               max_balanced_blocks, num_source_blocks, split_query_blocks_reference)
+from . import choice as ch
 from . import grid_map, hash_map
 from .forward_search import _NO_MASKS, forward_search_cuda, forward_search_reference, mirror_reference
 from .map_probe import probe_cuda, probe_reference
@@ -138,6 +139,9 @@ class KernelMap:
     # its latest plan with the policy it was built for (numba_sc.conv._layer_plan).
     _centre: int = field(default=None, repr=False, compare=False)
     _plan: tuple = field(default=None, repr=False, compare=False)
+    # The other dataflows' plans (numba_sc.conv._dataflow_plan), kept like _plan: keyed by
+    # (dataflow, transposed, skipped offset); and the transposed layer's table in weight order.
+    _plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     # The orders are the identity whenever the coordinates came in sorted, which is
     # always the case inside a network (every stage hands out sorted coordinates).
@@ -668,7 +672,7 @@ def _finish_cuda(in_sorted, out_sorted, in_order, offsets, table, work, ks, st, 
 def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
                      out_coords=None, backend=None, source_block=DEFAULT_SOURCE_BLOCK, query_block=DEFAULT_QUERY_BLOCK,
                      assume_sorted=False, symmetric=True, masks=False, while_reading=None,
-                     method="sorted") -> KernelMap:
+                     method="auto") -> KernelMap:
     """Build the kernel map of a sparse convolution (Minuet's Map step, or an alternative).
 
     Parameters
@@ -709,13 +713,16 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
         more to find them. :func:`numba_sc.sparse_conv3d` asks for them; the Map
         step alone does not need them (on 1M random voxels they cost ~10 % of
         the step). Kernel path only: the reference ignores it.
-    method : "sorted" | "hash" | "grid"
+    method : "sorted" | "hash" | "grid" | "auto"
         How the pairs are found; every method gives the same map.
         ``"sorted"``: Minuet's sorted queries and double-traversed binary search.
         ``"hash"``: an open-addressing hash table of the input keys and one lookup
         per query and offset, as spconv and TorchSparse do (:mod:`numba_sc.hash_map`).
         ``"grid"``: a dense location table over the inputs' bounding box, one read
         per lookup (:mod:`numba_sc.grid_map`; refused when the box is too large).
+        ``"auto"`` (the default): the method :func:`choose_map_method` measured
+        fastest for clouds of this size, else the rule of thumb of
+        :mod:`numba_sc.choice`.
         ``source_block`` and ``query_block`` matter to "sorted" only.
     while_reading : callable, optional
         Kernel path with ``assume_sorted=True`` only (ignored otherwise): called
@@ -739,6 +746,8 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
         contrast). On the kernel path, numbers that live on the device are 0-d
         arrays; ``float()`` / ``int()`` reads them.
     """
+    if method == "auto":
+        method = ch.map_method_for(in_coords.shape[0], len(_layer(kernel_size, stride, dilation, tensor_stride)[4]))
     kw = dict(kernel_size=kernel_size, stride=stride, dilation=dilation, tensor_stride=tensor_stride,
               out_coords=out_coords, source_block=source_block, query_block=query_block,
               assume_sorted=assume_sorted, symmetric=symmetric, masks=masks, method=method)
@@ -752,3 +761,40 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
         setattr(m, name, like(getattr(m, name), in_coords))
     m.stats = {key: like(v, in_coords) if hasattr(v, "shape") else v for key, v in m.stats.items()}
     return m
+
+
+def choose_map_method(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1, rounds=5,
+                      timer=None) -> ch.Choice:
+    """Measure the Map methods on ``in_coords`` (sorted and unique, as a layer gets them)
+    and cache the fastest for ``method="auto"`` on clouds of this size class.
+
+    Each method is timed as :func:`build_kernel_map` with ``assume_sorted=True``
+    (how a layer calls it), wall clock between device-wide synchronizes,
+    ``rounds`` interleaved rounds. The grid is left out when the cloud's box
+    does not fit. Without a GPU the rule of thumb answers and nothing is
+    cached, unless ``timer(fn) -> seconds`` is given.
+    """
+    K = len(_layer(kernel_size, stride, dilation, tensor_stride)[4])
+    n = in_coords.shape[0]
+    if timer is None and not simulating() and resolve_backend(None) == "cuda":
+        timer = ch.wall_timer
+    if timer is None:
+        return ch.Choice(ch.rule_map_method(n, K), "rule")
+    coords = to_device(in_coords)
+
+    def run(m):
+        return lambda: build_kernel_map(coords, kernel_size, stride, dilation, tensor_stride,
+                                        assume_sorted=True, method=m)
+
+    candidates = {}
+    for m in ch.MAP_METHODS:
+        try:
+            run(m)()
+        except ValueError:  # the grid of a cloud whose box does not fit
+            continue
+        candidates[m] = run(m)
+    times = ch.measure(candidates, timer, rounds)
+    choice = ch.Choice(min(times, key=times.get), "measured", times)
+    ch.remember_map_method(n, K, choice)
+    return choice
+

@@ -16,8 +16,9 @@ This module only runs them, two ways:
 The stages with a ladder, in the pipeline's order: ``voxelize`` (stage 1, on the
 scan's points), ``outcoords`` (stage 2, a stride-2 layer's outputs),
 ``backward`` (stage 5), ``search`` (stage 6, the forward search), ``metadata``
-(stage 7), ``gather`` (stage 8), ``scatter`` (stage 10) and ``batchnorm``
-(between the layers). The others' workload is one 3x3x3 submanifold layer on
+(stage 7), ``gather`` (stage 8), ``scatter`` (stage 10), ``batchnorm``
+(between the layers), and the two other dataflows of a layer, ``fetch``
+(fetch-on-demand) and ``implicit`` (implicit GEMM). The others' workload is one 3x3x3 submanifold layer on
 the cloud (its map and plan built by the kernels). The GEMM grouping (stage 9)
 has one kernel of its own, ``take_weights_kernel`` (a copy of K small matrices),
 with nothing to climb; its lesson is the grouping, on the host. The search rungs build the same table whatever the
@@ -33,7 +34,9 @@ from typing import Callable
 
 import numpy as np
 
+from . import fetch_on_demand as fod
 from . import gather as ga
+from . import implicit_gemm as ig
 from . import output_coords as oc
 from . import pointwise as pw
 from . import scatter as sc
@@ -62,13 +65,20 @@ def _layer_work(coords, channels, dtype, seed=0):
     from .kernel_map import build_kernel_map
     from .metadata import build_plan
 
+    from .metadata import submanifold_centre
+
     rng = np.random.default_rng(seed)
     km = build_kernel_map(to_device(coords), 3, backend="cuda", masks=True)
     plan = build_plan(km, backend="cuda")
     n, rows = len(coords), plan.rows
     xp = device_xp()
     item = np.dtype(dtype).itemsize
+    centre = submanifold_centre(km)
     return {
+        "weight": xp.asarray((rng.standard_normal((27, channels, channels)) / np.sqrt(channels)).astype(dtype)),
+        "centre": centre,
+        "fetch_plan": fod.fetch_plan(km.table, km.host_counts(), skip=centre),
+        "implicit_plan": ig.implicit_plan(km.table, skip=centre),
         "km": km,
         "coords": to_device(coords),
         "plan": plan,
@@ -306,7 +316,34 @@ LADDERS = {
         # division): a float32 ulp or two, which may move a fp16 rounding by one ulp
         {"float32": 4e-6, "float16": 2e-3},
     ),
+    # The two other dataflows (#17): a whole layer outside the centre, added onto
+    # ``init`` (the centre product). Float sums in another order: a tolerance.
+    "fetch": Ladder(
+        "fetch",
+        {"v1": "one thread per (pair, output channel): global reads, one atomic add each",
+         "v2": "+ the fetched rows and W[k] in shared memory, a register tile per thread (the library's)"},
+        lambda r, w: fod.fetch_rung(r, w["features"], w["weight"], w["fetch_plan"], w["features"].shape[0],
+                                    w["init"]),
+        lambda w: _dataflow_reference(fod.fetch_on_demand_reference, w),
+        lambda w: None,
+        {"float32": 1e-5, "float16": 2e-3},
+    ),
+    "implicit": Ladder(
+        "implicit",
+        {"v1": "one thread per (output, output channel) over every offset and input channel",
+         "v2": "+ shared-memory tiles of the gathered rows and of W[k]",
+         "v3": "+ outputs sorted by offset mask, tiles skip absent offsets, a register tile (the library's)"},
+        lambda r, w: ig.implicit_rung(r, w["features"], w["weight"], w["km"].table, w["implicit_plan"], w["init"]),
+        lambda w: _dataflow_reference(ig.implicit_gemm_reference, w),
+        lambda w: None,
+        {"float32": 1e-5, "float16": 2e-3},
+    ),
 }
+
+
+def _dataflow_reference(reference, w):
+    return reference(to_host(w["features"]), to_host(w["weight"]), to_host(w["km"].table), to_host(w["init"]),
+                     w["centre"])
 
 
 def agreement(ladder, rung, work):

@@ -1,6 +1,8 @@
 """Every rung of every kernel ladder equals its stage's NumPy reference (kernels under
 the simulator here, on the GPU with NUMBA_ENABLE_CUDASIM=0), on a crop of a real scan,
 for several tiles and both dtypes; and the comparison can fail."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -132,3 +134,17 @@ def test_pipeline_stage_rungs_equal_the_reference(crop_coords):
         o, i = filled((n, K), np.int32, -1), filled((len(work["km"].in_coords), K), np.int32, -1)
         launch(tables_v1, K * n, table, to_device(r), to_device(plan.base), o, i)
         assert not np.array_equal(ladder._tables((o, i)), want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_dataflow_rungs_equal_the_reference(crop_coords, dtype):
+    """Fetch-on-demand and implicit GEMM, every rung, on the crop's 3x3x3 layer (centre
+    done by the caller as init); and a rung fed the weights of the wrong offsets fails."""
+    work = ladder._layer_work(crop_coords, 6, dtype, seed=4)
+    for stage in ("fetch", "implicit"):
+        lad = ladder.LADDERS[stage]
+        for rung in lad.adds:
+            err = ladder.agreement(lad, rung, work)
+            assert ladder.agrees(lad, dtype, err), (stage, rung, err)
+        wrong = dataclasses.replace(lad, run=lambda r, w, run=lad.run: run(r, dict(w, weight=w["weight"][::-1].copy())))
+        assert not ladder.agrees(lad, dtype, ladder.agreement(wrong, list(lad.adds)[-1], work)), stage

@@ -1,0 +1,148 @@
+"""The three dataflows through sparse_conv3d, and the per-layer choice (``"auto"``).
+
+Kernels run under the simulator on small clouds and are compared with the gmas
+reference (itself checked against a float64 oracle in test_conv.py).
+"""
+import numpy as np
+import pytest
+from test_kernel_map import random_coords
+
+import numba_sc as ns
+from numba_sc import choice as ch
+from numba_sc import conv
+
+FLOWS = ("gmas", "fetch", "implicit")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choices():
+    ch.clear_choices()
+    yield
+    ch.clear_choices()
+
+
+def _tensor(rng, n, c, dtype=np.float32, span=5):
+    coords = np.unique(random_coords(rng, n, span=span), axis=0)
+    return ns.SparseTensor(coords, rng.standard_normal((len(coords), c)).astype(dtype))
+
+
+def _weight(rng, k, cin, cout, dtype):
+    return (rng.standard_normal((k, cin, cout)) / 3).astype(dtype)
+
+
+def _close(got, want, dtype):
+    scale = max(float(np.abs(want.astype(np.float32)).max()), 1.0)
+    tol = 2e-5 if np.dtype(dtype) == np.float32 else 4e-3
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), atol=tol * scale, rtol=0)
+
+
+def _layers(x, ws, backend, flow):
+    """A submanifold 3x3x3, a strided 2x2x2, the transposed layer that inverts it, a 1x1x1."""
+    w3, w2, wt, w1 = ws
+    sub = ns.sparse_conv3d(x, w3, backend=backend, dataflow=flow)
+    down = ns.sparse_conv3d(x, w2, kernel_size=2, stride=2, backend=backend, dataflow=flow)
+    up = ns.sparse_conv3d(down, wt, transposed=True, kernel_map=down.kernel_map, backend=backend, dataflow=flow)
+    one = ns.sparse_conv3d(x, w1, kernel_size=1, backend=backend, dataflow=flow)
+    return sub, down, up, one
+
+
+@pytest.mark.parametrize("flow", FLOWS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_every_layer_kind_through_every_dataflow(rng, flow, dtype):
+    x = _tensor(rng, 180, 5, dtype)
+    ws = (_weight(rng, 27, 5, 6, dtype), _weight(rng, 8, 5, 6, dtype), _weight(rng, 8, 6, 3, dtype),
+          _weight(rng, 1, 5, 4, dtype))
+    want = _layers(x, ws, "reference", "gmas")
+    for backend in ("reference", "cuda"):
+        got = _layers(x, ws, backend, flow)
+        for g, r in zip(got, want):
+            assert np.array_equal(g.coords, r.coords)
+            _close(g.features, r.features, dtype)
+
+
+def test_comparison_catches_an_off_by_one(rng):
+    """The tolerance above is sharp enough: one weight offset shifted by one changes the answer."""
+    x = _tensor(rng, 150, 4)
+    w = _weight(rng, 27, 4, 5, np.float32)
+    want = ns.sparse_conv3d(x, w, backend="reference", dataflow="gmas").features
+    for flow in ("fetch", "implicit"):
+        got = ns.sparse_conv3d(x, np.roll(w, 1, axis=0), backend="cuda", dataflow=flow).features
+        with pytest.raises(AssertionError):
+            _close(got, want, np.float32)
+
+
+def test_layers_sharing_a_map_share_each_dataflows_plan(rng):
+    x = _tensor(rng, 150, 4)
+    w = _weight(rng, 27, 4, 4, np.float32)
+    y = ns.sparse_conv3d(x, w, backend="cuda", dataflow="fetch")
+    km = y.kernel_map
+    for flow in ("fetch", "implicit"):
+        ns.sparse_conv3d(y, w, kernel_map=km, backend="cuda", dataflow=flow)
+        plan = next(v for k, v in km._plans.items() if k[0] == flow)
+        ns.sparse_conv3d(y, w, kernel_map=km, backend="cuda", dataflow=flow)
+        assert next(v for k, v in km._plans.items() if k[0] == flow) is plan  # built once
+
+
+def test_auto_without_measurements_follows_the_rule(rng, monkeypatch):
+    x = _tensor(rng, 120, 4)
+    w = _weight(rng, 27, 4, 4, np.float32)
+    ran = []
+    real = conv._other_dataflow
+    monkeypatch.setattr(conv, "_other_dataflow", lambda flow, *a: ran.append(flow) or real(flow, *a))
+    assert ch.rule_dataflow(4, 4, np.float32, len(x)) == "gmas"
+    ns.sparse_conv3d(x, w, backend="cuda")  # dataflow="auto" is the default
+    assert ran == []  # gmas: no other dataflow ran
+    choice = ns.choose_dataflow(x, w, backend="cuda")  # no GPU, no timer: the rule, not cached
+    assert choice.source == "rule" and choice.value == "gmas"
+
+
+def test_measured_choice_is_cached_and_used(rng, monkeypatch):
+    x = _tensor(rng, 120, 4)
+    w = _weight(rng, 27, 4, 4, np.float32)
+    monkeypatch.setattr(ch, "measure", lambda cands, timer, rounds: {"gmas": 3.0, "fetch": 1.0, "implicit": 2.0})
+    choice = ns.choose_dataflow(x, w, backend="cuda", timer=lambda fn: 0.0)
+    assert (choice.value, choice.source) == ("fetch", "measured")
+    ran = []
+    real = conv._other_dataflow
+    monkeypatch.setattr(conv, "_other_dataflow", lambda flow, *a: ran.append(flow) or real(flow, *a))
+    ns.sparse_conv3d(x, w, backend="cuda")
+    assert ran == ["fetch"]
+    ns.sparse_conv3d(x, w.astype(np.float64).astype(np.float32)[:, :, :3], backend="cuda")  # another shape
+    assert ran == ["fetch"]  # ... follows the rule
+
+
+def test_named_layer_choice(rng, monkeypatch):
+    x = _tensor(rng, 100, 4)
+    w = _weight(rng, 27, 4, 4, np.float32)
+    monkeypatch.setattr(ch, "measure", lambda cands, timer, rounds: {"gmas": 3.0, "fetch": 2.0, "implicit": 1.0})
+    ns.choose_dataflow(x, w, backend="cuda", timer=lambda fn: 0.0, layer="enc1")
+    assert ch.cached_dataflow(("layer", "enc1")).value == "implicit"
+    assert ch.cached_dataflow(ch.dataflow_key(None, 4, 4, 27, np.float32, False, len(x))) is None
+
+
+def test_training_runs_gmas(rng):
+    x = _tensor(rng, 100, 4)
+    w = _weight(rng, 27, 4, 4, np.float32)
+    with pytest.raises(ValueError, match="no backward pass"):
+        conv._conv(x, w, backend="cuda", keep_buffer=[], dataflow="fetch")
+    assert conv._pick_dataflow("auto", None, x.features, w, None, False, True) == "gmas"
+
+
+def test_bad_dataflow(rng):
+    x = _tensor(rng, 50, 4)
+    with pytest.raises(ValueError, match="dataflow must be one of"):
+        ns.sparse_conv3d(x, _weight(rng, 27, 4, 4, np.float32), backend="reference", dataflow="winograd")
+
+
+def test_map_method_auto(rng, monkeypatch):
+    c = np.unique(random_coords(rng, 200, span=5), axis=0)
+    assert ns.build_kernel_map(c, 3, backend="cuda").stats["method"] == "sorted"  # the rule
+    assert ns.choose_map_method(c).source == "rule"
+    monkeypatch.setattr(ch, "measure", lambda cands, timer, rounds: {m: i + 1.0 for i, m in
+                                                                    enumerate(reversed(list(cands)))})
+    choice = ns.choose_map_method(c, timer=lambda fn: 0.0)
+    assert choice.value == "grid" and choice.source == "measured"  # the box of this cloud fits
+    assert ns.build_kernel_map(c, 3, backend="cuda").stats["method"] == "grid"
+    assert ns.build_kernel_map(c, 3, backend="reference").stats["method"] == "grid"
+    far = np.unique(random_coords(rng, 3000, span=40), axis=0)  # another size class: the rule
+    assert ns.build_kernel_map(far, 3, backend="reference").stats["method"] == "sorted"
