@@ -97,6 +97,11 @@ def dataflow_for(key, c_in, c_out, dtype, n_out) -> str:
     return hit.value if hit is not None else rule_dataflow(c_in, c_out, dtype, n_out)
 
 
+def measured_dataflows() -> bool:
+    """Whether any layer's dataflow was measured in this process."""
+    return bool(_DATAFLOW)
+
+
 def cached_dataflow(key):
     """The :class:`Choice` measured for ``key``, or None."""
     return _DATAFLOW.get(key)
@@ -118,8 +123,14 @@ def rule_map_method(n_points, kernel_volume) -> str:
 
 
 def map_method_for(n_points, kernel_volume) -> str:
-    hit = _METHOD.get(method_key(n_points, kernel_volume))
-    return hit.value if hit is not None else rule_map_method(n_points, kernel_volume)
+    """The measured method for clouds of this size class, else the rule. ``kernel_volume``
+    may be a callable that returns it: it is asked only when something was measured
+    (every Map step asks this, and its ~0.1-0.2 ms has no microseconds to spare)."""
+    if not _METHOD:
+        return rule_map_method(n_points, None)
+    K = kernel_volume() if callable(kernel_volume) else kernel_volume
+    hit = _METHOD.get(method_key(n_points, K))
+    return hit.value if hit is not None else rule_map_method(n_points, K)
 
 
 def remember_map_method(n_points, kernel_volume, choice: Choice):

@@ -333,6 +333,8 @@ def _pick_dataflow(dataflow, layer, f, w, km, transposed, training):
         return "gmas"
     if dataflow != "auto":
         return dataflow
+    if not ch.measured_dataflows():  # nothing measured: the rule (no key to build, every layer asks)
+        return ch.rule_dataflow(w.shape[1], w.shape[2], f.dtype, None)
     n_out = km.in_coords.shape[0] if transposed else km.out_coords.shape[0]
     key = ch.dataflow_key(layer, w.shape[1], w.shape[2], w.shape[0], f.dtype, transposed, n_out)
     return ch.dataflow_for(key, w.shape[1], w.shape[2], f.dtype, n_out)

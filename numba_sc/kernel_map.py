@@ -747,7 +747,8 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
         arrays; ``float()`` / ``int()`` reads them.
     """
     if method == "auto":
-        method = ch.map_method_for(in_coords.shape[0], len(_layer(kernel_size, stride, dilation, tensor_stride)[4]))
+        method = ch.map_method_for(in_coords.shape[0],
+                                   lambda: len(_layer(kernel_size, stride, dilation, tensor_stride)[4]))
     kw = dict(kernel_size=kernel_size, stride=stride, dilation=dilation, tensor_stride=tensor_stride,
               out_coords=out_coords, source_block=source_block, query_block=query_block,
               assume_sorted=assume_sorted, symmetric=symmetric, masks=masks, method=method)
