@@ -26,8 +26,9 @@ whichever dataflow it runs; TorchSparse++'s grouping of layers by map is that
 cache here.
 
 Worked example: a 4 -> 16 fp32 layer on 30k voxels, never measured, gets the
-rule's answer; after ``choose_dataflow(x, w)`` timed gmas 0.31 ms, fetch 0.22
-ms, implicit 0.25 ms, every layer of that shape and size class runs fetch.
+rule's answer (gmas when it builds its map, implicit when it is given one);
+after ``choose_dataflow(x, w)`` timed gmas 0.31 ms, fetch 0.22 ms, implicit
+0.25 ms, every layer of that shape and size class runs fetch.
 """
 from __future__ import annotations
 
@@ -80,21 +81,36 @@ def check_dataflow(dataflow):
     return dataflow
 
 
-def rule_dataflow(c_in, c_out, dtype, n_out) -> str:
+SMALL_CHANNELS = 16  # at most this many channels in and out: the implicit GEMM's territory
+
+
+def rule_dataflow(c_in, c_out, dtype, n_out, map_given=False) -> str:
     """The dataflow to run when none was measured (see the module docstring).
 
     Written from the single-layer table measured on the H100 (SemanticKITTI,
-    ScanNet, SUN RGB-D, 1M random voxels; ``benchmarks/results/alternatives_*``):
-    gmas, whose GEMMs run on cuBLAS (tensor cores for fp16), won every row with
-    32 or more channels on both sides; the CUDA-core kernels only compete below.
+    ScanNet and SUN RGB-D, fp32 and fp16, 4->16 to 256->256;
+    ``benchmarks/results/alternatives_h100_2026-11-24.json``):
+
+    * a layer that reuses a map (``kernel_map=`` given, as the layers after the
+      first of a group do) with at most :data:`SMALL_CHANNELS` channels in and
+      out runs ``"implicit"``: 4->16 took 0.66-0.78x gmas's time on all three
+      scans in both dtypes, its plan kept on the map. At 32 channels the two
+      were within 15 % of each other either way; from 64 on gmas won every row.
+    * everything else runs ``"gmas"``. A layer that builds its own map would
+      also build the implicit plan (a sort of the outputs by mask and two
+      kernels), which cost more than the dataflow saved on every row measured;
+      and cuBLAS's GEMMs (tensor cores in fp16) beat the CUDA-core kernels as
+      soon as the products, not the buffers, are the cost.
     """
+    if map_given and c_in <= SMALL_CHANNELS and c_out <= SMALL_CHANNELS:
+        return "implicit"
     return "gmas"
 
 
-def dataflow_for(key, c_in, c_out, dtype, n_out) -> str:
+def dataflow_for(key, c_in, c_out, dtype, n_out, map_given=False) -> str:
     """The cached measured choice for ``key``, else :func:`rule_dataflow`."""
     hit = _DATAFLOW.get(key)
-    return hit.value if hit is not None else rule_dataflow(c_in, c_out, dtype, n_out)
+    return hit.value if hit is not None else rule_dataflow(c_in, c_out, dtype, n_out, map_given)
 
 
 def measured_dataflows() -> bool:

@@ -323,7 +323,7 @@ def _other_dataflow(flow, f, w, km, transposed, init, centre, bk):
     return implicit_gemm_cuda(f, w, table, plan, init)
 
 
-def _pick_dataflow(dataflow, layer, f, w, km, transposed, training):
+def _pick_dataflow(dataflow, layer, f, w, km, transposed, training, map_given=False):
     """The ``dataflow`` argument -> "gmas" | "fetch" | "implicit" (see :mod:`numba_sc.choice`)."""
     ch.check_dataflow(dataflow)
     if training:  # the backward pass reads the gmas buffers
@@ -334,10 +334,10 @@ def _pick_dataflow(dataflow, layer, f, w, km, transposed, training):
     if dataflow != "auto":
         return dataflow
     if not ch.measured_dataflows():  # nothing measured: the rule (no key to build, every layer asks)
-        return ch.rule_dataflow(w.shape[1], w.shape[2], f.dtype, None)
+        return ch.rule_dataflow(w.shape[1], w.shape[2], f.dtype, None, map_given)
     n_out = km.in_coords.shape[0] if transposed else km.out_coords.shape[0]
     key = ch.dataflow_key(layer, w.shape[1], w.shape[2], w.shape[0], f.dtype, transposed, n_out)
-    return ch.dataflow_for(key, w.shape[1], w.shape[2], f.dtype, n_out)
+    return ch.dataflow_for(key, w.shape[1], w.shape[2], f.dtype, n_out, map_given)
 
 
 def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False,
@@ -424,7 +424,7 @@ def _conv(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False, kern
             # while the host works out the buffer layout (~80 us of Python).
             init = gg.centre_product_cuda(f, w, centre)
     strided = tuple(km.stride) != (1, 1, 1)
-    flow = _pick_dataflow(dataflow, layer, f, w, km, transposed, keep_buffer is not None)
+    flow = _pick_dataflow(dataflow, layer, f, w, km, transposed, keep_buffer is not None, kernel_map is not None)
     if flow != "gmas":
         centre = submanifold_centre(km) if not transposed else -1
         out = _other_dataflow(flow, f, w, km, transposed, init, centre, bk)
@@ -521,7 +521,8 @@ def choose_dataflow(x, weight, kernel_size=3, stride=1, dilation=1, transposed=F
     if timer is None and bk == "cuda" and not simulating():
         timer = ch.wall_timer
     if timer is None:
-        return ch.Choice(ch.rule_dataflow(w.shape[1], w.shape[2], x.features.dtype, len(y)), "rule")
+        return ch.Choice(ch.rule_dataflow(w.shape[1], w.shape[2], x.features.dtype, len(y), kernel_map is not None),
+                         "rule")
     times = ch.measure({d: run(d) for d in ch.DATAFLOWS}, timer, rounds)
     choice = ch.Choice(min(times, key=times.get), "measured", times)
     ch.remember_dataflow(key, choice)

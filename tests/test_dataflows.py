@@ -97,6 +97,23 @@ def test_auto_without_measurements_follows_the_rule(rng, monkeypatch):
         assert choice.source == "rule" and choice.value == "gmas"
 
 
+def test_rule_runs_implicit_on_a_given_map_with_few_channels(rng, monkeypatch):
+    x = _tensor(rng, 120, 4)
+    w = _weight(rng, 27, 4, 16, np.float32)
+    ran = []
+    real = conv._other_dataflow
+    monkeypatch.setattr(conv, "_other_dataflow", lambda flow, *a: ran.append(flow) or real(flow, *a))
+    y = ns.sparse_conv3d(x, w, backend="cuda")  # builds its map: gmas
+    assert ran == []
+    got = ns.sparse_conv3d(x, w, kernel_map=y.kernel_map, backend="cuda")  # given the map: implicit
+    assert ran == ["implicit"]
+    _close(got.features, y.features, np.float32)
+    ns.sparse_conv3d(y, _weight(rng, 27, 16, 32, np.float32), kernel_map=y.kernel_map, backend="cuda")
+    assert ran == ["implicit"]  # 32 output channels: gmas
+    assert [ch.rule_dataflow(a, b, np.float32, 1000, True) for a, b in ((16, 16), (17, 16), (4, 32))] == \
+        ["implicit", "gmas", "gmas"]
+
+
 def test_measured_choice_is_cached_and_used(rng, monkeypatch):
     x = _tensor(rng, 120, 4)
     w = _weight(rng, 27, 4, 4, np.float32)
