@@ -82,35 +82,51 @@ def check_dataflow(dataflow):
 
 
 SMALL_CHANNELS = 16  # at most this many channels in and out: the implicit GEMM's territory
+MID_CHANNELS = 64  # ... and, in fp32 on a dense cloud, up to this many
+DENSE_PAIRS = 8.0  # pairs per output (outside the centre) from which a cloud counts as dense
+SMALL_CLOUD = 1 << 17  # outputs up to which a layer is host-bound (one launch beats several)
+LARGE_CLOUD = 1 << 18  # outputs from which the GPU's work decides, not the host's
 
 
-def rule_dataflow(c_in, c_out, dtype, n_out, map_given=False) -> str:
+def rule_dataflow(c_in, c_out, dtype, n_out, map_given=False, pairs_per_output=0.0) -> str:
     """The dataflow to run when none was measured (see the module docstring).
 
     Written from the single-layer table measured on the H100 (SemanticKITTI,
-    ScanNet and SUN RGB-D, fp32 and fp16, 4->16 to 256->256;
-    ``benchmarks/results/alternatives_h100_2026-11-24.json``):
+    ScanNet, SUN RGB-D, 1M random voxels and those voxels at stride 4, fp32 and
+    fp16, 4->16 to 256->256; ``benchmarks/results/alternatives_h100_2026-11-24.json``).
+    ``pairs_per_output``: the map's pairs outside the submanifold centre per output
+    (0.4 on the random cloud, 0.8-7.6 on the scans, 16 on the dense cloud).
 
-    * a layer that reuses a map (``kernel_map=`` given, as the layers after the
-      first of a group do) with at most :data:`SMALL_CHANNELS` channels in and
-      out runs ``"implicit"``: 4->16 took 0.66-0.78x gmas's time on all three
-      scans in both dtypes, its plan kept on the map. At 32 channels the two
-      were within 15 % of each other either way; from 64 on gmas won every row.
-    * everything else runs ``"gmas"``. A layer that builds its own map would
-      also build the implicit plan (a sort of the outputs by mask and two
-      kernels), which cost more than the dataflow saved on every row measured;
-      and cuBLAS's GEMMs (tensor cores in fp16) beat the CUDA-core kernels as
-      soon as the products, not the buffers, are the cost.
+    * ``"implicit"`` for at most :data:`SMALL_CHANNELS` channels in and out, when
+      the layer is given its map (its plan is then kept on the map) on a small
+      cloud (at most :data:`SMALL_CLOUD` outputs: one launch instead of several;
+      4->16 took 0.66-0.78x gmas's time on all three scans, both dtypes), or on
+      a large dense cloud (1.7-2.9x faster than gmas at 4->16);
+    * ``"implicit"`` in fp32 up to :data:`MID_CHANNELS` channels on a large dense
+      cloud (32->32 and 64->64: 0.72x and 0.85x gmas), where gmas moves ~16 pairs
+      a voxel through its buffers; in fp16 gmas's GEMMs run on tensor cores and
+      win from 32 channels on;
+    * ``"gmas"`` everywhere else. A small layer that builds its own map would
+      also build the implicit plan (a sort of the outputs by mask), which cost
+      more than the dataflow saved on every scan row; on the sparse 1M cloud
+      (few pairs, large buffers of nothing) gmas won every row; and cuBLAS beats
+      the CUDA-core kernels wherever the products, not the buffers, cost most.
+      Fetch-on-demand won no row: its atomics cost more than the buffers they save.
     """
-    if map_given and c_in <= SMALL_CHANNELS and c_out <= SMALL_CHANNELS:
+    small = c_in <= SMALL_CHANNELS and c_out <= SMALL_CHANNELS
+    dense_and_large = pairs_per_output >= DENSE_PAIRS and (n_out or 0) >= LARGE_CLOUD
+    if small and ((map_given and (n_out or 0) <= SMALL_CLOUD) or dense_and_large):
+        return "implicit"
+    if dense_and_large and np.dtype(dtype) == np.float32 and c_in <= MID_CHANNELS and c_out <= MID_CHANNELS:
         return "implicit"
     return "gmas"
 
 
-def dataflow_for(key, c_in, c_out, dtype, n_out, map_given=False) -> str:
+def dataflow_for(key, c_in, c_out, dtype, n_out, map_given=False, pairs_per_output=0.0) -> str:
     """The cached measured choice for ``key``, else :func:`rule_dataflow`."""
     hit = _DATAFLOW.get(key)
-    return hit.value if hit is not None else rule_dataflow(c_in, c_out, dtype, n_out, map_given)
+    return hit.value if hit is not None else rule_dataflow(c_in, c_out, dtype, n_out, map_given,
+                                                           pairs_per_output)
 
 
 def measured_dataflows() -> bool:

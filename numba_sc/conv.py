@@ -333,11 +333,16 @@ def _pick_dataflow(dataflow, layer, f, w, km, transposed, training, map_given=Fa
         return "gmas"
     if dataflow != "auto":
         return dataflow
-    if not ch.measured_dataflows():  # nothing measured: the rule (no key to build, every layer asks)
-        return ch.rule_dataflow(w.shape[1], w.shape[2], f.dtype, None, map_given)
+    c_in, c_out = w.shape[1], w.shape[2]
+    if not ch.measured_dataflows() and (c_in > ch.MID_CHANNELS or c_out > ch.MID_CHANNELS):
+        return "gmas"  # the rule's answer for wide layers, without counting anything (every layer asks)
     n_out = km.in_coords.shape[0] if transposed else km.out_coords.shape[0]
-    key = ch.dataflow_key(layer, w.shape[1], w.shape[2], w.shape[0], f.dtype, transposed, n_out)
-    return ch.dataflow_for(key, w.shape[1], w.shape[2], f.dtype, n_out, map_given)
+    counts = km.host_counts().tolist()
+    centre = submanifold_centre(km) if not transposed else -1
+    pairs = sum(counts) - (counts[centre] if centre >= 0 else 0)
+    per_output = pairs / max(n_out, 1)
+    key = ch.dataflow_key(layer, c_in, c_out, w.shape[0], f.dtype, transposed, n_out)
+    return ch.dataflow_for(key, c_in, c_out, f.dtype, n_out, map_given, per_output)
 
 
 def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False,
@@ -521,7 +526,8 @@ def choose_dataflow(x, weight, kernel_size=3, stride=1, dilation=1, transposed=F
     if timer is None and bk == "cuda" and not simulating():
         timer = ch.wall_timer
     if timer is None:
-        return ch.Choice(ch.rule_dataflow(w.shape[1], w.shape[2], x.features.dtype, len(y), kernel_map is not None),
+        km = kernel_map if kernel_map is not None else y.kernel_map
+        return ch.Choice(_pick_dataflow("auto", layer, x.features, w, km, transposed, False, kernel_map is not None),
                          "rule")
     times = ch.measure({d: run(d) for d in ch.DATAFLOWS}, timer, rounds)
     choice = ch.Choice(min(times, key=times.get), "measured", times)

@@ -7,8 +7,8 @@ the outputs. The buffers are the price: for ``n`` pairs in fp32 they are written
 once and read once on each side, ``8 n (C_in + C_out)`` bytes that exist only to
 be thrown away.
 
-The implicit GEMM (spconv's MaskImplicitGemm, TorchSparse++'s default
-dataflow) has no buffers. Think of the convolution as one dense GEMM of an
+The implicit GEMM (spconv 2's MaskImplicitGemm, and one of TorchSparse++'s
+dataflows) has no buffers. Think of the convolution as one dense GEMM of an
 ``n_out x (K C_in)`` matrix ``A`` by the ``(K C_in) x C_out`` stack of the
 weights, where row ``i`` of ``A`` is the concatenation of the K neighbour rows of
 output ``i`` (zeros where there is none)::
@@ -46,7 +46,7 @@ Worked example, ``K = 3`` offsets, 4 outputs, ``TILE_M = 2``::
     sorted order  [1, 3, 0, 2]: tile {1, 3} mask 0b010 (1 offset), tile {0, 2}
         mask 0b101 (2 offsets): 2 + 4 = 6 row products, none wasted
 
-Mask splits (TorchSparse++ Section 4). A tile's mask is the OR of ``TILE_M``
+Mask splits (TorchSparse++, Figure 10). A tile's mask is the OR of ``TILE_M``
 masks of up to K bits, so it fills up fast. Cut the offsets into ``s``
 contiguous ranges and treat each range as its own problem: its own sub-masks,
 its own sorted order, its own tile masks, its own launch. Each range's masks are
@@ -57,7 +57,7 @@ read-modify-write: within a launch each output value has one owner, and the
 launches of one stream run in order). In fp16 the running sum is kept in a
 float32 scratch array between splits, so the result is still rounded once.
 
-The per-map work - masks, ``s`` stable sorts, tile masks - is an
+The per-map work - masks, a stable sort per split, tile masks - is an
 :class:`ImplicitPlan` (:func:`implicit_plan`). It depends on the table, the
 splits, the centre that is skipped and ``TILE_M``, and on nothing about the
 features, the weights or the channel counts, so every layer that shares a map
@@ -85,12 +85,20 @@ masks leave; :func:`plan_work` counts it), ``s`` splits:
   traffic for ``r`` times the arithmetic; in fp16, gather-GEMM-scatter runs its
   GEMM on the tensor cores and moves half the bytes (``4 n (C_in + C_out)``),
   so it should win as soon as the channels make the GEMM count.
-* the register tile: for each step of the inner loop a thread reads
-  ``THREAD_M + THREAD_N`` values from shared memory and does ``THREAD_M x
-  THREAD_N`` FMAs. An SM serves one warp-wide shared load per clock and four
-  warps' worth of FMAs, so a 4x4 tile (8 loads, 16 FMAs) can reach at most half
-  the FMA peak and an 8x8 tile (16 loads, 64 FMAs) all of it; the price of the
-  larger tile is registers (64 sums) and fewer threads per block.
+* the register tile: for each input channel a thread reads ``THREAD_M +
+  THREAD_N`` values from shared memory and does ``THREAD_M x THREAD_N`` FMAs.
+  An SM serves about one warp-wide shared-memory access (a *wavefront*, 128
+  bytes) per clock and four warp-wide FMA instructions, so with one load per
+  value a 4x4 tile (8 accesses, 16 FMAs) could reach at most half the FMA
+  peak. Read as two 16-byte vector loads, the same 8 values cost 3 wavefronts
+  (the warp's row values are a broadcast), below the 4 clocks of its FMAs. A
+  larger tile (8x8) needs 64 sums in registers: in this kernel it spilled and
+  ran slower. What is left is instructions: an earlier version of this kernel
+  (one load per value, a loop step per channel) issued on two cycles in three
+  with the FMA pipe under 30% busy (Nsight Compute, SemanticKITTI, 128
+  channels), the rest being index arithmetic, each chunk's loads and the
+  barriers around them; the vector loads and the unrolled steps took about a
+  fifth off its time.
 
 Measured on the H100: see benchmarks/results.
 
@@ -102,7 +110,13 @@ The ladder, one idea a rung (all checked against :func:`implicit_gemm_reference`
           ``TILE_K x TILE_N`` piece of ``W[k]``, reused by the whole block
     v3  + the sorted bitmask order and tile-mask skips (splits are separate
           launches), and a register tile of ``THREAD_M x THREAD_N`` outputs per
-          thread (the library's)
+          thread read with vector loads (the library's)
+
+Expect v2 to be *slower* than v1 on a sparse map: a v1 thread skips each
+missing neighbour by itself, while a v2 block, which has no masks, multiplies
+all K offsets for every tile, most of them zeros (a 3x3x3 layer on a LiDAR scan
+has about 3 pairs per output, the centre included, not 27). The masks of v3 are
+what turn the tiles into a gain.
 """
 from __future__ import annotations
 
@@ -143,6 +157,7 @@ class Tiles(NamedTuple):
     tile_k: int  # input channels per shared-memory chunk
     thread_m: int  # rows of a thread's register tile
     thread_n: int  # channels of a thread's register tile
+    prefetch: bool = True  # load the next chunk during this chunk's math
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -527,7 +542,7 @@ def implicit_v2_kernel(tile_m: int, tile_n: int, tile_k: int):
 
 @cache
 def implicit_kernel(tile_m: int, tile_n: int, tile_k: int, thread_m: int, thread_n: int,
-                    prefetch: bool = True, max_registers: int | None = None):
+                    prefetch: bool = True):
     """v3, the library's: v2's shared-memory tiles, plus
 
     * **the plan's order and tile masks**: row slot ``j`` of the tile computes output
@@ -538,12 +553,16 @@ def implicit_kernel(tile_m: int, tile_n: int, tile_k: int, thread_m: int, thread
     * **a register tile**: each of the ``(tile_m / thread_m) x (tile_n / thread_n)``
       threads sums ``thread_m x thread_n`` outputs, so a value read from shared
       memory feeds ``thread_n`` (a row value) or ``thread_m`` (a weight) FMAs, not
-      one (see the module's napkin math). A thread's rows are ``ty + TY * i`` and
-      its channels ``tx + TX * j``: the threads of a warp read neighbouring weight
-      columns (different banks) and one or two row values (a broadcast), and store
-      neighbouring channels of the output. The inner loop's indices are unsigned,
-      so Numba adds no negative-index test to each shared load, and the rows' and
-      channels' constant distances fold into the load instructions.
+      one (see the module's napkin math). A thread owns neighbouring rows and
+      neighbouring channels, and the row tile is stored transposed, so for each
+      input channel its ``thread_m`` row values and ``thread_n`` weights are two
+      runs of neighbours in shared memory, 16-byte aligned: the compiler reads
+      each run with one vector load (``ld.shared.v4``), and the threads of a warp
+      read one or two row runs (a broadcast) and neighbouring weight runs.
+    * **a short inner loop**: the chunk's channels are taken four at a time, a
+      step the compiler unrolls completely, with every shared-memory offset a
+      constant folded into the load; the indices are unsigned, so Numba adds no
+      negative-index test to the loads.
     * **neighbour rows looked up once per offset**: a thread loads the same
       ``tile_m * tile_k / threads`` elements of the row tile in every chunk, so it
       reads their table entries once per offset into registers, not once per chunk.
@@ -560,11 +579,17 @@ def implicit_kernel(tile_m: int, tile_n: int, tile_k: int, thread_m: int, thread
     a_loads = tile_m * tile_k // threads  # elements of the row tile each thread loads per chunk
     b_size = tile_k * tile_n
     b_loads = -(-b_size // threads)  # elements of the weight tile each thread loads per chunk
-    a_pitch = tile_k + 1  # a padded row: a warp's stores of one chunk hit different banks
-    a_size = tile_m * a_pitch
+    # The row tile is held transposed, [channel of the chunk][row slot], so that a
+    # thread's thread_m rows are neighbours: with 16-byte aligned rows the compiler
+    # can read them with one vector load (likewise its thread_n weight columns).
+    a_pitch = tile_m + 4  # (+4: 16-byte rows, and a chunk's stores spread over banks)
+    a_size = tile_k * a_pitch
+    align = None if simulating() else 16  # (the simulator takes no alignment)
     u = np.uint64
-    TILE_K, TILE_N, THREAD_M, THREAD_N = u(tile_k), u(tile_n), u(thread_m), u(thread_n)
-    A_PITCH, A_STEP, B_STEP = u(a_pitch), u(TY * a_pitch), u(TX)
+    TILE_N, THREAD_M, THREAD_N = u(tile_n), u(thread_m), u(thread_n)
+    A_PITCH = u(a_pitch)
+    STEP = u(min(4, tile_k))  # channels per unrolled step of the inner loop
+    K_STEPS = u(tile_k // min(4, tile_k))
 
     @cuda.jit(device=True, inline=True)
     def load_rows(features, srcs, c0, tid, a_reg):
@@ -592,9 +617,7 @@ def implicit_kernel(tile_m: int, tile_n: int, tile_k: int, thread_m: int, thread
                 v = float32(weight[k, c0 + kk, n0 + n])
             b_reg[r] = v
 
-    options = {} if simulating() or max_registers is None else {"max_registers": max_registers}
-
-    @cuda.jit(**options)
+    @cuda.jit
     def implicit(features, weight, table, order, tile_masks, k0, k1, base, has_base, out):
         """One block per (tile of ``tile_m`` row slots, tile of ``tile_n`` channels);
         ``order``/``tile_masks`` are one split's (``plan.order[s]``, ``plan.tile_masks[s]``)."""
@@ -604,8 +627,8 @@ def implicit_kernel(tile_m: int, tile_n: int, tile_k: int, thread_m: int, thread
         tm = cuda.blockIdx.x // tiles_n  # blocks of one row tile are neighbours: its rows
         m0 = tm * tile_m  # stay in L2 for the next column tile
         n0 = (cuda.blockIdx.x - tm * tiles_n) * tile_n
-        a_s = cuda.shared.array(a_size, float32)  # [row slot][channel of the chunk], padded
-        b_s = cuda.shared.array(b_size, float32)  # [channel of the chunk][output channel]
+        a_s = cuda.shared.array(a_size, float32, alignment=align)  # [channel of the chunk][row slot]
+        b_s = cuda.shared.array(b_size, float32, alignment=align)  # [channel of the chunk][output channel]
         acc = cuda.local.array((thread_m, thread_n), float32)
         a_frag = cuda.local.array(thread_m, float32)
         b_frag = cuda.local.array(thread_n, float32)
@@ -615,7 +638,8 @@ def implicit_kernel(tile_m: int, tile_n: int, tile_k: int, thread_m: int, thread
         srcs = cuda.local.array(a_loads, int32)  # ... and their neighbours through offset k
         tx = tid % TX
         ty = tid // TX
-        a_first = u(ty) * A_PITCH  # this thread's first row value of a chunk step in a_s
+        a_first = u(ty) * THREAD_M  # this thread's first row slot
+        b_first = u(tx) * THREAD_N  # ... and first output channel of the tile
         for i in range(THREAD_M):
             for j in range(THREAD_N):
                 acc[i, j] = float32(0.0)
@@ -635,7 +659,7 @@ def implicit_kernel(tile_m: int, tile_n: int, tile_k: int, thread_m: int, thread
                 for r in range(a_loads):
                     e = tid + threads * r
                     m = e // tile_k
-                    a_s[m * a_pitch + e - m * tile_k] = a_reg[r]
+                    a_s[(e - m * tile_k) * a_pitch + m] = a_reg[r]
                 for r in range(b_loads):
                     e = tid + threads * r
                     if e < b_size:
@@ -644,23 +668,24 @@ def implicit_kernel(tile_m: int, tile_n: int, tile_k: int, thread_m: int, thread
                 if prefetch and c0 + tile_k < c_in:  # the next chunk's loads, in flight during the math
                     load_rows(features, srcs, c0 + tile_k, tid, a_reg)
                     load_weights(weight, k, c0 + tile_k, n0, tid, b_reg)
-                for kk in range(TILE_K):
-                    a_at = a_first + kk  # row ty + TY * i is A_STEP * i further
-                    b_at = kk * TILE_N + u(tx)  # channel tx + TX * j is B_STEP * j further
-                    for i in range(THREAD_M):
-                        a_frag[i] = a_s[a_at + A_STEP * i]
-                    for j in range(THREAD_N):
-                        b_frag[j] = b_s[b_at + B_STEP * j]
-                    for i in range(THREAD_M):
+                for kq in range(K_STEPS):  # the chunk's channels, STEP at a time
+                    a_at = kq * (STEP * A_PITCH) + a_first
+                    b_at = kq * (STEP * TILE_N) + b_first
+                    for q in range(STEP):  # short and constant: unrolled, its offsets folded
+                        for i in range(THREAD_M):
+                            a_frag[i] = a_s[a_at + q * A_PITCH + i]
                         for j in range(THREAD_N):
-                            acc[i, j] += a_frag[i] * b_frag[j]
+                            b_frag[j] = b_s[b_at + q * TILE_N + j]
+                        for i in range(THREAD_M):
+                            for j in range(THREAD_N):
+                                acc[i, j] += a_frag[i] * b_frag[j]
                 cuda.syncthreads()
         for i in range(thread_m):
-            slot = m0 + ty + TY * i
+            slot = m0 + ty * thread_m + i
             if slot < n_out:
                 o = order[slot]
                 for j in range(thread_n):
-                    n = n0 + tx + TX * j
+                    n = n0 + tx * thread_n + j
                     if n < c_out:
                         v = acc[i, j]
                         if has_base:

@@ -114,6 +114,18 @@ def test_rule_runs_implicit_on_a_given_map_with_few_channels(rng, monkeypatch):
         ["implicit", "gmas", "gmas"]
 
 
+def test_rule_by_cloud_density_and_size():
+    """The measured table's boundaries: a large sparse cloud runs gmas even when given its
+    map; a large dense one runs implicit up to 16 channels, and up to 64 in fp32."""
+    big, dense, sparse = 600_000, 16.0, 0.4
+    assert ch.rule_dataflow(4, 16, np.float32, big, True, sparse) == "gmas"
+    assert ch.rule_dataflow(4, 16, np.float16, big, False, dense) == "implicit"
+    assert ch.rule_dataflow(32, 32, np.float16, big, False, dense) == "gmas"
+    assert ch.rule_dataflow(64, 64, np.float32, big, False, dense) == "implicit"
+    assert ch.rule_dataflow(128, 128, np.float32, big, False, dense) == "gmas"
+    assert ch.rule_dataflow(4, 16, np.float32, 50_000, False, dense) == "gmas"  # small: the plan's sort costs
+
+
 def test_measured_choice_is_cached_and_used(rng, monkeypatch):
     x = _tensor(rng, 120, 4)
     w = _weight(rng, 27, 4, 4, np.float32)

@@ -224,12 +224,17 @@ def test_first_and_last_layer_channels(rng, c_in, c_out):
 
 def test_the_gpu_tile_shape(rng):
     """The GPU's register tile (4x4 per thread, 64-row tiles, 32-channel column tile,
-    chunks of 16) under the simulator, on outputs that do not fill the last tile."""
+    chunks of 16, the next chunk prefetched) under the simulator, on outputs that do
+    not fill the last tile; and the same without the prefetch."""
     table, f, w = layer(rng, n=90, extent=8, c_in=20, c_out=20)
     plan = ig.implicit_plan(table, skip=CENTRE, tile_m=64)
     init = centre_init(f, w, rng)
-    got = ig.implicit_gemm_cuda(f, w, table, plan, init, tiles=ig.Tiles(32, 16, 4, 4))
-    assert_close(got, oracle(f, w, table, init, CENTRE), RTOL32)
+    want = oracle(f, w, table, init, CENTRE)
+    assert_close(ig.implicit_gemm_cuda(f, w, table, plan, init, tiles=ig.Tiles(32, 16, 4, 4)), want, RTOL32)
+    table, f, w = layer(rng, n=60, extent=7, c_in=10, c_out=6)
+    no_prefetch = ig.Tiles(8, 4, 4, 4, prefetch=False)  # chunks of 4: three of them
+    got = ig.implicit_gemm_cuda(f, w, table, ig.implicit_plan(table), tiles=no_prefetch)
+    assert_close(got, oracle(f, w, table), RTOL32)
 
 
 def test_the_comparison_can_fail(rng):
