@@ -88,7 +88,13 @@ MB, written once and read once, 195 MB in all, about 65 us at the H100's
 fits the H100's 50 MB L2) instead. Which costs less depends on the channels
 and the cloud, which is why PCEngine and TorchSparse++ pick per layer group
 (PCEngine: fetch-on-demand for small channel counts, gather-GEMM-scatter for
-large ones). Measured on the H100: see benchmarks/results.
+large ones). Measured on the H100 (2026-11-24,
+``benchmarks/results/alternatives_h100_2026-11-24.json``): the kernel ran at
+3.8-3.9 TFLOP/s (FMA pipe 13 % busy: the atomics and their waits dominate),
+403 us on that scan against gather-GEMM-scatter's 213 us, and 21.9 ms against
+7.6 ms on a dense cloud (16 pairs a voxel); as a whole layer it was faster than
+gmas only at 4 -> 16 on small clouds given their map (0.70-0.94x), where the
+implicit GEMM was faster still, so ``dataflow="auto"`` never picks it.
 
 Numba exposes no tensor-core (``mma``) intrinsics, so the products here run on
 the CUDA cores as fp32 fused multiply-adds, whatever the feature dtype; the

@@ -100,7 +100,21 @@ masks leave; :func:`plan_work` counts it), ``s`` splits:
   barriers around them; the vector loads and the unrolled steps took about a
   fifth off its time.
 
-Measured on the H100: see benchmarks/results.
+Measured on the H100 (2026-11-24, ``benchmarks/results/alternatives_h100_2026-11-24.json``;
+Nsight Compute at feb986c, before the last tuning; 64 -> 64 fp32, the map given):
+
+* SemanticKITTI: this kernel 488 us at 7.0 TFLOP/s (the FMA pipe 30 % busy),
+  against gather-GEMM-scatter's six kernels, 213 us in all: on a sparse scan
+  (2 pairs a voxel outside the centre) the buffers are small and cuBLAS's
+  SGEMM runs at ~23 TFLOP/s, so r x the arithmetic on slower FMAs loses.
+* the dense cloud (1M random voxels at stride 4: 635k voxels, 16 pairs a
+  voxel): 8.9 ms at 12.6 TFLOP/s (21 % of the FP32 peak, FMA pipe 36 %, r =
+  1.33), against gather-GEMM-scatter's 7.6 ms, of which its gather alone took
+  2.7 ms and its scatter 1.0 ms. Wall clock, whole layer (tuned kernel): 0.72x
+  gmas's time at 32 -> 32 and 0.85x at 64 -> 64 in fp32, the rows where
+  ``dataflow="auto"`` picks it; spconv's MaskImplicitGemm, the same dataflow on
+  tensor cores, is 1.1-1.5x faster still in fp32 and 2-3x in fp16. Closing that
+  needs the ``mma`` instructions Numba does not expose.
 
 The ladder, one idea a rung (all checked against :func:`implicit_gemm_reference`):
 
