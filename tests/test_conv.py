@@ -401,20 +401,21 @@ def test_layer_launch_rows_argument(rng):
 def test_layers_sharing_a_map_share_its_plan(rng):
     """A map passed in keeps the plan built from it: the next layer given it reuses the
     plan (and is still right); another policy builds a new one. A map a layer
-    builds for itself keeps none (memory is held only where a map is reused)."""
+    builds for itself keeps none (memory is held only where a map is reused). (The gmas
+    dataflow's plan: with so few channels, auto would run the implicit GEMM on a given map.)"""
     x = tensor(rng, 150, 3)
     w, w2 = weights(rng, 27, 3, 4), weights(rng, 27, 3, 4)
-    y = sparse_conv3d(x, w, 3, backend="cuda")
+    y = sparse_conv3d(x, w, 3, backend="cuda", dataflow="gmas")
     km = y.kernel_map
     assert getattr(km, "_plan", None) is None
     want = to_host(sparse_conv3d(x, w2, 3, backend="reference").features)
-    z = sparse_conv3d(x, w2, kernel_map=km, backend="cuda")
+    z = sparse_conv3d(x, w2, kernel_map=km, backend="cuda", dataflow="gmas")
     plan = km._plan[1]
-    z2 = sparse_conv3d(x, w2, kernel_map=km, backend="cuda")
+    z2 = sparse_conv3d(x, w2, kernel_map=km, backend="cuda", dataflow="gmas")
     assert km._plan[1] is plan
     for got in (z, z2):
         np.testing.assert_allclose(to_host(got.features), want, rtol=1e-4, atol=1e-4)
-    z0 = sparse_conv3d(x, w2, kernel_map=km, backend="cuda", max_padding=0.0, launch_rows=0)
+    z0 = sparse_conv3d(x, w2, kernel_map=km, backend="cuda", max_padding=0.0, launch_rows=0, dataflow="gmas")
     assert km._plan[1] is not plan and km._plan[1].policy[:1] == (0.0,)
     np.testing.assert_allclose(to_host(z0.features), want, rtol=1e-4, atol=1e-4)
 
