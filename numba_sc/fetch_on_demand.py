@@ -147,8 +147,9 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from .backend import device_xp, filled, launch, simulating, to_device, to_host
+from .tensor import FEATURE_DTYPES
 
-FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+FLOAT_DTYPES = FEATURE_DTYPES  # the feature dtypes, defined once (numba_sc.tensor)
 
 # Pairs per block of the plan: what one thread block of v2 covers (one kernel
 # tile of TILE_P pairs on the GPU). Under the simulator every CUDA thread is a

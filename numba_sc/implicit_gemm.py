@@ -143,8 +143,9 @@ from numba import cuda, float32, int32, int64
 
 from .backend import device_xp, launch, simulating, to_device, to_host
 from .conventions import MASK_BITS, mask_words
+from .tensor import FEATURE_DTYPES
 
-FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+FLOAT_DTYPES = FEATURE_DTYPES  # the feature dtypes, defined once (numba_sc.tensor)
 TILE_M_CHOICES = (16, 32, 64, 128)  # outputs per tile (the plan's tile_m)
 
 # Tile sizes. A kernel is compiled per tile shape (shared and register arrays need
