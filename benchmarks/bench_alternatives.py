@@ -205,7 +205,7 @@ def main():
             line = "  ".join(f"{k} {v:.3f}" for k, v in best.items())
             print(f"   {name:26s} {line}  | best ours / best spconv {mine / spc:.2f}")
             if errors:
-                print(f"      errors vs gmas: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+                print("      errors vs gmas: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
         Path(args.out).write_text(json.dumps(out, indent=1))
 
 
