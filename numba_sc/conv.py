@@ -323,8 +323,9 @@ def _other_dataflow(flow, f, w, km, transposed, init, centre, bk):
     return implicit_gemm_cuda(f, w, table, plan, init)
 
 
-def _pick_dataflow(dataflow, layer, f, w, km, transposed, training, map_given=False):
-    """The ``dataflow`` argument -> "gmas" | "fetch" | "implicit" (see :mod:`numba_sc.choice`)."""
+def _pick_dataflow(dataflow, layer, f, w, km, transposed, training, map_given, centre):
+    """The ``dataflow`` argument -> "gmas" | "fetch" | "implicit" (see :mod:`numba_sc.choice`).
+    ``centre``: the map's submanifold centre (-1 for a strided map, read backwards or not)."""
     ch.check_dataflow(dataflow)
     if training:  # the backward pass reads the gmas buffers
         if dataflow not in ("gmas", "auto"):
@@ -338,7 +339,6 @@ def _pick_dataflow(dataflow, layer, f, w, km, transposed, training, map_given=Fa
         return "gmas"  # the rule's answer for wide layers, without counting anything (every layer asks)
     n_out = km.in_coords.shape[0] if transposed else km.out_coords.shape[0]
     counts = km.host_counts().tolist()
-    centre = submanifold_centre(km) if not transposed else -1
     pairs = sum(counts) - (counts[centre] if centre >= 0 else 0)
     per_output = pairs / max(n_out, 1)
     key = ch.dataflow_key(layer, c_in, c_out, w.shape[0], f.dtype, transposed, n_out)
@@ -420,8 +420,8 @@ def _conv(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False, kern
     f, w, km = _map_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map, bk,
                           queue_centre if bk == "cuda" else None, layer)
     init = None
+    centre = submanifold_centre(km)  # (-1 for a strided map, read backwards or not)
     if bk == "cuda":
-        centre = submanifold_centre(km)  # (-1 for a strided map, read backwards or not)
         if queued and queued[0][0] == centre:
             init = queued[0][1]
         elif centre >= 0:
@@ -429,9 +429,9 @@ def _conv(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False, kern
             # while the host works out the buffer layout (~80 us of Python).
             init = gg.centre_product_cuda(f, w, centre)
     strided = tuple(km.stride) != (1, 1, 1)
-    flow = _pick_dataflow(dataflow, layer, f, w, km, transposed, keep_buffer is not None, kernel_map is not None)
+    flow = _pick_dataflow(dataflow, layer, f, w, km, transposed, keep_buffer is not None, kernel_map is not None,
+                          centre)
     if flow != "gmas":
-        centre = submanifold_centre(km) if not transposed else -1
         out = _other_dataflow(flow, f, w, km, transposed, init, centre, bk)
         return _result(x, km, out, transposed, strided)
     lr = _launch_rows(launch_rows, w)
@@ -527,8 +527,8 @@ def choose_dataflow(x, weight, kernel_size=3, stride=1, dilation=1, transposed=F
         timer = ch.wall_timer
     if timer is None:
         km = kernel_map if kernel_map is not None else y.kernel_map
-        return ch.Choice(_pick_dataflow("auto", layer, x.features, w, km, transposed, False, kernel_map is not None),
-                         "rule")
+        return ch.Choice(_pick_dataflow("auto", layer, x.features, w, km, transposed, False, kernel_map is not None,
+                                        submanifold_centre(km)), "rule")
     times = ch.measure({d: run(d) for d in ch.DATAFLOWS}, timer, rounds)
     choice = ch.Choice(min(times, key=times.get), "measured", times)
     ch.remember_dataflow(key, choice)

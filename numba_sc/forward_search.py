@@ -404,6 +404,15 @@ def forward_search_kernel(B: int, with_masks: bool = False, threads: int = FORWA
 _NO_MASKS = {}  # a 1 x 1 placeholder per array library, made once
 
 
+def no_masks():
+    """The placeholder passed for both mask arrays to a kernel that sets no masks (the
+    kernel takes them but never touches them); one per array library, made once."""
+    xp = device_xp()
+    if xp not in _NO_MASKS:
+        _NO_MASKS[xp] = xp.zeros((1, 1), np.int64)
+    return _NO_MASKS[xp]
+
+
 def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=None, n_offsets=None,
                         chunk=None, chunk_counts=None, out_masks=None, in_masks=None):
     """Launch the forward search over ``grid`` thread blocks; returns ``(table, counts)``.
@@ -445,10 +454,7 @@ def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=N
         chunk_counts = filled((K, -(-int(qkeys.shape[0]) // chunk)), np.int32, 0)
     with_masks = out_masks is not None
     if not with_masks:  # the kernel takes them but never touches them
-        xp = device_xp()
-        if xp not in _NO_MASKS:
-            _NO_MASKS[xp] = xp.zeros((1, 1), np.int64)
-        out_masks = in_masks = _NO_MASKS[xp]
+        out_masks = in_masks = no_masks()
     if grid > 0:
         threads = forward_threads(C)
         launch(forward_search_kernel(int(B), with_masks, threads), int(grid), skeys, qkeys, deltas, rows, n_rows,

@@ -78,7 +78,7 @@ from .backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backwar
                               max_balanced_blocks, num_source_blocks, split_query_blocks_reference)
 from . import choice as ch
 from . import grid_map, hash_map
-from .forward_search import _NO_MASKS, forward_search_cuda, forward_search_reference, mirror_reference
+from .forward_search import forward_search_cuda, forward_search_reference, mirror_reference
 from .map_probe import probe_cuda, probe_reference
 from .output_coords import output_coordinates
 from .sorting import sort_rows_cuda, sort_rows_reference
@@ -531,11 +531,8 @@ def _lookup_cuda(method, skeys, qkeys, in_sorted, d_deltas, K, work):
         a, b = grid_map.build_cuda(skeys, in_sorted)
         lookup = grid_map.lookup_device
     table = filled((K, qkeys.shape[0]), np.int32, -1)
-    xp = device_xp()
-    if xp not in _NO_MASKS:
-        _NO_MASKS[xp] = xp.zeros((1, 1), np.int64)
     probe_cuda(lookup, a, b, qkeys, d_deltas, table, work.counts, work.chunk, work.chunk_counts,
-               work.out_masks, work.in_masks, _NO_MASKS[xp])
+               work.out_masks, work.in_masks)
     return table, a
 
 

@@ -54,6 +54,7 @@ from numba import cuda, int32, int64
 
 from .backend import launch, simulating
 from .conventions import MASK_BITS
+from .forward_search import mirror_reference, no_masks
 
 # Threads per block of the probe kernel. A block probes consecutive queries of one
 # offset, so that its pairs fall into one chunk of the metadata stage's outputs (the
@@ -122,12 +123,11 @@ def probe_kernel(lookup, with_masks: bool, threads: int):
 
 
 def probe_cuda(lookup, a, b, qkeys, deltas, table, counts, chunk, chunk_counts, out_masks=None,
-               in_masks=None, no_masks=None):
+               in_masks=None):
     """Launch :func:`probe_kernel` over the first ``len(deltas)`` offsets; nothing is read back.
 
     ``table`` (K, |Q|) int32 filled with -1, ``counts`` (K,) and ``chunk_counts``
     (K, ceil(|Q| / chunk)) zeros, as for :func:`numba_sc.forward_search.forward_search_cuda`.
-    ``no_masks``: a placeholder array passed for both masks when they are None.
     """
     threads = probe_threads()
     shift = int(chunk).bit_length() - 1
@@ -135,7 +135,7 @@ def probe_cuda(lookup, a, b, qkeys, deltas, table, counts, chunk, chunk_counts, 
         raise ValueError(f"chunk must be a power of two and a multiple of {threads}, got {chunk}")
     with_masks = out_masks is not None
     if not with_masks:
-        out_masks = in_masks = no_masks
+        out_masks = in_masks = no_masks()  # the forward search's placeholder
     h, Q = int(deltas.shape[0]), int(qkeys.shape[0])
     per_row = max(1, -(-Q // threads))
     launch(probe_kernel(lookup, with_masks, threads), per_row * h, a, b, qkeys, deltas, per_row, table,
@@ -146,8 +146,6 @@ def probe_reference(lookup_reference, qkeys, deltas, K):
     """The probe step in NumPy: ``(table (K, |Q|), probes)`` where ``lookup_reference(keys)``
     returns ``(indices or -1, probes per key)``. Probes the first ``len(deltas)``
     offsets and mirrors the rest (:func:`numba_sc.forward_search.mirror_reference`)."""
-    from .forward_search import mirror_reference
-
     h, Q = len(deltas), len(qkeys)
     queries = (qkeys[None, :] + np.asarray(deltas, np.int64)[:, None]).ravel()
     found, probes = lookup_reference(queries)

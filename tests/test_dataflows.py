@@ -155,7 +155,7 @@ def test_training_runs_gmas(rng):
     w = _weight(rng, 27, 4, 4, np.float32)
     with pytest.raises(ValueError, match="no backward pass"):
         conv._conv(x, w, backend="cuda", keep_buffer=[], dataflow="fetch")
-    assert conv._pick_dataflow("auto", None, x.features, w, None, False, True) == "gmas"
+    assert conv._pick_dataflow("auto", None, x.features, w, None, False, True, False, -1) == "gmas"
 
 
 def test_bad_dataflow(rng):

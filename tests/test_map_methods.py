@@ -171,7 +171,7 @@ def test_probe_kernel_sees_an_off_by_one_delta(rng):
         table, counts = filled((K, Q), np.int32, -1), filled(K, np.int64, 0)
         chunk_counts = filled((K, -(-Q // ns.metadata.chunk_size())), np.int32, 0)
         probe_cuda(hash_map.lookup_device, slot_keys, slot_vals, keys, to_device(deltas + shift), table, counts,
-                   ns.metadata.chunk_size(), chunk_counts, no_masks=to_device(np.zeros((1, 1), np.int64)))
+                   ns.metadata.chunk_size(), chunk_counts)
         assert np.array_equal(to_host(table), m.table) == same
         assert np.array_equal(to_host(counts), m.counts) == same
 
