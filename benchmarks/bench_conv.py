@@ -24,7 +24,7 @@ and GMaS-alone calls of a row's contenders are timed interleaved, call by call
 (:func:`timed_interleaved`; ``--sequential``: one contender after the other). A short table
 goes to stdout, everything to ``--out`` (JSON).
 """
-# (numba_sc.backend.launch switches off Numba's per-launch host sync on CuPy
+# (numba_sc.core.backend.launch switches off Numba's per-launch host sync on CuPy
 # arguments itself, so the benchmark measures what a user gets.)
 
 import argparse  # noqa: E402
@@ -159,12 +159,12 @@ def bench_numba_sc(coords, cin, cout, dtype, args, rec):
     import cupy
 
     import numba_sc
-    from numba_sc.conv import _prepare_layer
-    from numba_sc.gather import gather_cuda
-    from numba_sc.gemm_grouping import centre_product_cuda, grouped_gemm_cuda
-    from numba_sc.kernel_map import build_kernel_map
-    from numba_sc.metadata import build_plan
-    from numba_sc.scatter import scatter_cuda
+    from numba_sc.gmas.conv import _prepare_layer
+    from numba_sc.gmas.gather import gather_cuda
+    from numba_sc.gmas.gemm_grouping import centre_product_cuda, grouped_gemm_cuda
+    from numba_sc.map.kernel_map import build_kernel_map
+    from numba_sc.gmas.metadata import build_plan
+    from numba_sc.gmas.scatter import scatter_cuda
 
     ev = cupy_events()
     rng = np.random.default_rng(0)
@@ -178,7 +178,7 @@ def bench_numba_sc(coords, cin, cout, dtype, args, rec):
     rec["tiles"] = {"gather": tiles[0], "scatter": tiles[1], "source": choice.source,
                     "timings": {s: {str(t): v for t, v in d.items()} for s, d in choice.timings.items()}}
     rec["grouping"] = numba_sc.grouping_report(km)
-    rec["pairs"] = int(np.asarray(numba_sc.backend.to_host(km.counts)).sum())
+    rec["pairs"] = int(np.asarray(numba_sc.core.backend.to_host(km.counts)).sum())
     calls = {"end_to_end": lambda: numba_sc.sparse_conv3d(x, w, 3, backend="cuda", tile_size=tiles),
              "gmas": lambda: numba_sc.sparse_conv3d(x, w, kernel_map=km, backend="cuda", tile_size=tiles)}
     if args.sequential:

@@ -6,7 +6,7 @@ the kernel, sets the wall time. This measures a trivial 3-array kernel launched
 - with CuPy arrays (Numba reads ``__cuda_array_interface__`` each call),
 - with ``cuda.as_cuda_array`` views made per call,
 - with Numba device arrays made once,
-- through ``numba_sc.backend.launch`` (what the package does: ``cuLaunchKernel``
+- through ``numba_sc.core.backend.launch`` (what the package does: ``cuLaunchKernel``
   from prepared parameter slots), and the same with ``cuda.core.launch``.
 
 Median host microseconds over 2000 launches (no synchronisation inside the loop).
@@ -24,8 +24,8 @@ def main():
     import cupy
     from numba import cuda
 
-    from numba_sc import backend
-    from numba_sc.backend import launch
+    from numba_sc.core import backend
+    from numba_sc.core.backend import launch
 
     @cuda.jit
     def axpy(x, y, out):
@@ -62,7 +62,7 @@ def main():
         "as_cuda_array per call": lambda: axpy[256, 256](cuda.as_cuda_array(x), cuda.as_cuda_array(y),
                                                          cuda.as_cuda_array(out)),
         "numba device arrays": lambda: axpy[256, 256](nx, ny, nout),
-        "numba_sc.backend.launch": lambda: launch(axpy, n, x, y, out),
+        "numba_sc.core.backend.launch": lambda: launch(axpy, n, x, y, out),
         "  ... via cuda.core.launch": through_core,
         "cupy elementwise (peer)": lambda: cupy.add(x, y, out=out),
     }

@@ -162,11 +162,11 @@ def bench_stages(coords, args, B=512, C=1024):
     import cupy
 
     import numba_sc as ns
-    from numba_sc import conventions as cv
-    from numba_sc.backend import to_device
-    from numba_sc.backward_search import backward_search_cuda, max_balanced_blocks
-    from numba_sc.forward_search import forward_search_cuda
-    from numba_sc.sorting import sort_rows_cuda
+    from numba_sc.core import conventions as cv
+    from numba_sc.core.backend import to_device
+    from numba_sc.map.backward_search import backward_search_cuda, max_balanced_blocks
+    from numba_sc.map.forward_search import forward_search_cuda
+    from numba_sc.map.sorting import sort_rows_cuda
 
     offs = cv.kernel_offsets(3)
     deltas = to_device(cv.key_delta(offs))
@@ -270,7 +270,7 @@ def bench_sweep(coords, args):
 def verify_against_reference(coords):
     """The GPU table equals the NumPy reference's (one run, not timed)."""
     import numba_sc as ns
-    from numba_sc.backend import to_host
+    from numba_sc.core.backend import to_host
 
     g = ns.build_kernel_map(coords, 3, backend="cuda")
     r = ns.build_kernel_map(to_host(coords), 3, backend="reference")

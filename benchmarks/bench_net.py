@@ -187,7 +187,7 @@ def record_ours(model, x):
             calls.append((name, "classifier", lambda m=mod, a=xin: m(a), {}))
         elif isinstance(mod, nn.SparseInverseConv3d):
             calls.append((name, "transposed", lambda m=mod, a=xin: m(a), {}))
-        elif isinstance(mod, nn._Conv):
+        elif isinstance(mod, nn.ConvLayer):
             if mod.pointwise:
                 calls.append((name, "1x1x1", lambda m=mod, a=xin: m(a), {}))
                 return
@@ -256,7 +256,7 @@ def run_one(net, cloud, coords, feats, dtypes, args, out):
     import spconv.pytorch as spconv
 
     import numba_sc as ns
-    from numba_sc.spconv_format import state_dict_to_spconv
+    from numba_sc.nn.spconv_format import state_dict_to_spconv
 
     state32 = calibrated_state(net, coords, feats)
     indices, spatial, lo = spconv_input(coords, feats)
@@ -348,7 +348,7 @@ def diagnose(ours, twin, x, tfeats, indices, spatial, lo):
     mine = {}
 
     def obs(m, a, y, kw):
-        if isinstance(m, nn._Conv):
+        if isinstance(m, nn.ConvLayer):
             mine[m.name] = (cupy.asnumpy(y.coords), cupy.asnumpy(y.features).astype(np.float64), y.stride)
 
     with nn.observe(obs):

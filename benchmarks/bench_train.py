@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 def grads_in_spconv_layout(ours, grads, in_channels):
     """Our gradients by spconv's parameter names and layouts: a copy of the model whose
     weights are the gradients, converted as the weights are."""
-    from numba_sc.spconv_format import state_dict_to_spconv
+    from numba_sc.nn.spconv_format import state_dict_to_spconv
 
     state = {k: np.asarray(v.get() if hasattr(v, "get") else v) for k, v in ours.state_dict().items()}
     for k, g in grads.items():
@@ -59,7 +59,7 @@ def run_one(net, cloud, coords, feats, args, out):
 
     import numba_sc as ns
     from numba_sc import nn
-    from numba_sc.spconv_format import state_dict_to_spconv
+    from numba_sc.nn.spconv_format import state_dict_to_spconv
 
     rec = {"net": net, "cloud": cloud, "n": int(len(coords)), "dtype": "float32"}
     try:

@@ -2,7 +2,7 @@
 
     . benchmarks/gpu_env.sh; python3 benchmarks/profile_host.py [--net unet42] [--dtype float16]
 
-Runs a network of :mod:`numba_sc.models` once on SemanticKITTI at 0.05 m,
+Runs a network of :mod:`numba_sc.nn.models` once on SemanticKITTI at 0.05 m,
 records its layer calls, and for the first layer of each kind (strided,
 submanifold reusing a map, transposed, BatchNorm) and for the whole network
 prints the wall time per call and the functions with the most own time.

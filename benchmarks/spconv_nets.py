@@ -1,8 +1,8 @@
-"""spconv 2.3.8 twins of :mod:`numba_sc.models`: the same layers, the same parameter names.
+"""spconv 2.3.8 twins of :mod:`numba_sc.nn.models`: the same layers, the same parameter names.
 
 Needs PyTorch and spconv (the GPU machine; never CI). A twin's ``state_dict()``
 has exactly the names of the numba-sc model, so weights move between the two
-with :func:`numba_sc.spconv_format.state_dict_to_spconv` /
+with :func:`numba_sc.nn.spconv_format.state_dict_to_spconv` /
 ``state_dict_from_spconv``.
 
 How each layer is written, as a spconv user who wants speed would write it:

@@ -2,7 +2,7 @@
 
 ``demo`` runs every stage on a scan and times kernels beside references;
 ``check`` compares each stage's kernel with its reference and locates mismatches;
-``ladder`` runs each stage's kernels rung by rung (:mod:`numba_sc.ladder`);
+``ladder`` runs each stage's kernels rung by rung (:mod:`numba_sc.tools.ladder`);
 ``train`` fits MinkUNet42 to the labelled SemanticKITTI scan (:mod:`numba_sc.train`).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ def _ensure_kernels_can_run():
     ``numba_sc`` imports numba, so the command re-executes itself once with
     ``NUMBA_ENABLE_CUDASIM=1`` in the environment.
     """
-    from .backend import gpu_present, simulating
+    from .core.backend import gpu_present, simulating
 
     if simulating() or gpu_present() or os.environ.get("NUMBA_ENABLE_CUDASIM") == "0":
         return
@@ -72,13 +72,13 @@ def main(argv=None):
     if argv is None:
         _ensure_kernels_can_run()
     if args.command == "demo":
-        from .demo import demo
+        from .tools.demo import demo
 
         return demo(args.points, args.columns, args.voxel_size, args.crop)
     if args.command == "check":
-        from .check import run_check
-        from .demo import load_points
-        from .synthetic import lidar_scene
+        from .tools.check import run_check
+        from .tools.demo import load_points
+        from .tools.synthetic import lidar_scene
 
         if args.points:
             points, feats = load_points(args.points, args.columns)
@@ -112,9 +112,12 @@ def _train(args):
 
     import numpy as np
 
-    from . import labels, models, optim, train
-    from .backend import gpu_present, simulating
-    from .check import crop_points
+    from .train import labels
+    from .nn import models
+    from .train import optim
+    from .train import loop as train
+    from .core.backend import gpu_present, simulating
+    from .tools.check import crop_points
 
     if args.steps < 1:
         print(f"--steps must be at least 1, got {args.steps}", file=sys.stderr)
@@ -142,7 +145,7 @@ def _train(args):
                              schedule=lambda s: optim.cosine_lr(s, args.steps, args.lr, warmup=min(10, args.steps)),
                              log_every=args.log_every)
     if args.out:
-        from .ladder import _device_name
+        from .tools.ladder import _device_name
 
         rec = {"points": int(len(points)), "voxels": int(len(x)), "width": args.width, "steps": args.steps,
                "lr": args.lr, "history": history,
@@ -155,12 +158,12 @@ def _train(args):
 def _ladder(args):
     import numpy as np
 
-    from .backend import gpu_present, simulating
-    from .check import crop_points
-    from .demo import load_points
-    from .ladder import LADDERS, run_ladder
-    from .synthetic import lidar_scene
-    from .voxelization import voxelize
+    from .core.backend import gpu_present, simulating
+    from .tools.check import crop_points
+    from .tools.demo import load_points
+    from .tools.ladder import LADDERS, run_ladder
+    from .tools.synthetic import lidar_scene
+    from .coords.voxelization import voxelize
 
     stages = args.stages or list(LADDERS)
     unknown = [s for s in stages if s not in LADDERS]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from numba_sc import backend
+from numba_sc.core import backend
 
 
 @cuda.jit
@@ -56,7 +56,7 @@ def test_fast_launch_matches_dispatcher(monkeypatch):
             out = cupy.full(5000, np.nan, np.float32)
             backend.launch(mixed_kernel, 5000, a, b, np.float32(-0.25), -3, False, out, threads=64)
             np.testing.assert_allclose(out.get(), expect, rtol=1e-5, atol=1e-5)
-    # A piece of a larger allocation (numba_sc.backend.Piece) is an array argument too.
+    # A piece of a larger allocation (numba_sc.core.backend.Piece) is an array argument too.
     big = cupy.full(7000, np.nan, np.float32)
     for _ in range(2):
         part = backend.piece(big, 4 * 1000, (5000,), np.float32)

@@ -6,12 +6,14 @@ import numpy as np
 import pytest
 
 import numba_sc as ns
-from numba_sc import models, nn, optim, train
-from numba_sc import pointwise as pw
-from numba_sc.backend import to_host
-from numba_sc.backward import sparse_conv3d_backward, sparse_conv3d_backward_reference
-from numba_sc.labels import load_semantickitti_labels
-from numba_sc.loss import cross_entropy
+from numba_sc import models, nn
+from numba_sc.train import optim
+from numba_sc import train
+from numba_sc.nn import pointwise as pw
+from numba_sc.core.backend import to_host
+from numba_sc.train.conv_gradient import sparse_conv3d_backward, sparse_conv3d_backward_reference
+from numba_sc.train.labels import load_semantickitti_labels
+from numba_sc.train.loss import cross_entropy
 
 from conftest import DATA_DIR, crop, load_scan
 

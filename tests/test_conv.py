@@ -22,16 +22,16 @@ from hypothesis import strategies as st
 import numba_sc
 from numba_sc import SparseTensor, kernel_offsets, sparse_conv3d
 from numba_sc import autotune as autotune_mod_fn  # the function
-from numba_sc.backend import as_array, simulating, to_device, to_host
-from numba_sc.conv import gmas, resolve_tiles
-from numba_sc.gather import divisors, gather_cuda, gather_reference
-from numba_sc.gemm_grouping import launch_rows, make_groups, offset_order, padding_report
-from numba_sc.kernel_map import build_kernel_map
-from numba_sc.metadata import (ITEMS_PER_THREAD, build_plan, build_plan_cuda,
+from numba_sc.core.backend import as_array, simulating, to_device, to_host
+from numba_sc.gmas.conv import gmas, resolve_tiles
+from numba_sc.gmas.gather import divisors, gather_cuda, gather_reference
+from numba_sc.gmas.gemm_grouping import launch_rows, make_groups, offset_order, padding_report
+from numba_sc.map.kernel_map import build_kernel_map
+from numba_sc.gmas.metadata import (ITEMS_PER_THREAD, build_plan, build_plan_cuda,
                                chunk_counts_cuda, chunk_counts_reference, chunk_rank_reference,
                                chunk_size, lists_from_table, masks_cuda, masks_reference,
                                table_from_lists)
-from numba_sc.scatter import scatter, scatter_cuda, scatter_reference
+from numba_sc.gmas.scatter import scatter, scatter_cuda, scatter_reference
 
 from conftest import crop, load_scan
 
@@ -106,7 +106,7 @@ def check_layer(x, w, kernel_size=3, stride=1, dilation=1, tile_size=None, rtol=
     """Kernel == reference == oracle for one forward layer; returns the kernel output."""
     got = sparse_conv3d(x, w, kernel_size, stride, dilation, backend="cuda", tile_size=tile_size)
     ref = sparse_conv3d(x, w, kernel_size, stride, dilation, backend="reference")
-    st = np.array(numba_sc.conventions.as_int_tuple(stride, "s")) * np.array(x.stride)
+    st = np.array(numba_sc.core.conventions.as_int_tuple(stride, "s")) * np.array(x.stride)
     want_coords = x.coords if stride == 1 else downsampled(x.coords, st)
     np.testing.assert_array_equal(got.coords, want_coords)
     np.testing.assert_array_equal(ref.coords, want_coords)
@@ -167,10 +167,10 @@ def test_reference_matches_oracle_property(n, extent, k, s, d, seed):
     """Random small layers through the reference: any kernel, stride, dilation."""
     r = np.random.default_rng(seed)
     x = tensor(r, n, 2, extent=extent)
-    K = int(np.prod(numba_sc.conventions.as_int_tuple(k, "k")))
+    K = int(np.prod(numba_sc.core.conventions.as_int_tuple(k, "k")))
     w = weights(r, K, 2, 3)
     y = sparse_conv3d(x, w, k, s, d, backend="reference")
-    st_ = np.array(numba_sc.conventions.as_int_tuple(s, "s"))
+    st_ = np.array(numba_sc.core.conventions.as_int_tuple(s, "s"))
     np.testing.assert_array_equal(y.coords, downsampled(x.coords, st_))
     want = oracle(x.coords, x.features, y.coords, w, kernel_offsets(k, d))
     assert_close(y.features, want)
@@ -252,7 +252,7 @@ def test_every_tile_size(rng, c_in, c_out):
     for t in divisors(c_out):
         got = to_host(scatter_cuda(obuf, plan.out_table, tile=t))
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-    # The scatter reads words and unpacks them (numba_sc.words). With a centre
+    # The scatter reads words and unpacks them (numba_sc.core.words). With a centre
     # product to start from, fp32 and fp16, every tile of 12 channels: fp16 tiles
     # 4 and 12 are 8-byte words, 2 and 6 4-byte words, 1 and 3 channel by channel;
     # fp32 tiles 2, 4, 6, 12 are 8-byte words, 1 and 3 4-byte ones. Negative,
@@ -730,7 +730,7 @@ def test_kernel_map_reuse_skips_map_step(rng, monkeypatch):
     def no_map(*a, **k):
         raise AssertionError("the Map step ran again")
 
-    monkeypatch.setattr(numba_sc.conv, "build_kernel_map", no_map)
+    monkeypatch.setattr(numba_sc.gmas.conv, "build_kernel_map", no_map)
     z = sparse_conv3d(y, w2, kernel_map=y.kernel_map, backend="cuda")
     want = oracle(y.coords, y.features, y.coords, w2, kernel_offsets(3))
     assert_close(z.features, want)
@@ -799,7 +799,7 @@ def test_bad_inputs(rng):
 
 # ---------------------------------------------------------------- autotune
 def test_autotune_search_with_injected_timer(rng):
-    from numba_sc.autotune import cached, clear_cache, layer_key
+    from numba_sc.gmas.autotune import cached, clear_cache, layer_key
 
     clear_cache()
     x = tensor(rng, 40, 4, extent=5)
@@ -836,7 +836,7 @@ def test_autotune_search_with_injected_timer(rng):
 
 
 def test_heuristic_tile():
-    from numba_sc.autotune import heuristic_tile
+    from numba_sc.gmas.autotune import heuristic_tile
 
     assert heuristic_tile(64, 10) == 1  # tiny cloud: all the parallelism
     assert heuristic_tile(64, 1_000_000) == 8  # big cloud: 32-byte tiles
@@ -846,7 +846,7 @@ def test_heuristic_tile():
 
 
 def test_public_scatter_leaves_init_untouched():
-    from numba_sc.scatter import scatter
+    from numba_sc.gmas.scatter import scatter
 
     obuf = np.arange(12, dtype=np.float32).reshape(6, 2)
     table = np.array([[0, 3], [1, -1], [2, 5]], dtype=np.int32)
@@ -859,7 +859,7 @@ def test_public_scatter_leaves_init_untouched():
 
 def test_take_weights_kernel_matches_reference(rng):
     """The weights in buffer order: kernel == weight[order], repeats and all."""
-    from numba_sc.gemm_grouping import take_weights_cuda, take_weights_reference
+    from numba_sc.gmas.gemm_grouping import take_weights_cuda, take_weights_reference
 
     for dtype in (np.float32, np.float16):
         w = rng.normal(size=(7, 3, 5)).astype(dtype)

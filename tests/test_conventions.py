@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import cuda
 
-from numba_sc import conventions as cv
-from numba_sc.backend import resolve_backend
+from numba_sc.core import conventions as cv
+from numba_sc.core.backend import resolve_backend
 
 coord = st.integers(cv.COORD_MIN, cv.COORD_MAX)
 batch = st.integers(0, cv.BATCH_MAX)
@@ -112,8 +112,8 @@ def test_backend_selection():
 
 
 def test_pack_kernel_matches_numpy_and_refuses_the_reach():
-    from numba_sc.backend import to_host
-    from numba_sc.conventions import pack_keys_device
+    from numba_sc.core.backend import to_host
+    from numba_sc.core.conventions import pack_keys_device
 
     rng = np.random.default_rng(7)
     c = np.column_stack([rng.integers(0, cv.BATCH_MAX + 1, 300),

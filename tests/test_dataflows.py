@@ -8,8 +8,8 @@ import pytest
 from test_kernel_map import random_coords
 
 import numba_sc as ns
-from numba_sc import choice as ch
-from numba_sc import conv
+from numba_sc.dataflows import choice as ch
+from numba_sc.gmas import conv
 
 FLOWS = ("gmas", "fetch", "implicit")
 

@@ -2,10 +2,10 @@
 import numpy as np
 from numba import cuda
 
-import numba_sc.voxelization as voxmod
+import numba_sc.coords.voxelization as voxmod
 from numba_sc.__main__ import main
-from numba_sc.check import run_check
-from numba_sc.synthetic import lidar_scene
+from numba_sc.tools.check import run_check
+from numba_sc.tools.synthetic import lidar_scene
 
 
 def test_synthetic_scene_is_deterministic_lidar_like():

@@ -1,4 +1,4 @@
-"""Fetch-on-demand (numba_sc.fetch_on_demand): the plan, the reference and every rung.
+"""Fetch-on-demand (numba_sc.dataflows.fetch_on_demand): the plan, the reference and every rung.
 
 Checked against a float64 oracle written here from the rule alone (a loop over
 the table's pairs: ``out[i] += features[table[k, i]] @ W[k]`` for every k != skip),
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import numba_sc
-from numba_sc import fetch_on_demand as fd
-from numba_sc.backend import to_host
+from numba_sc.dataflows import fetch_on_demand as fd
+from numba_sc.core.backend import to_host
 
 RTOL32 = 1e-5
 RTOL16 = 2e-3

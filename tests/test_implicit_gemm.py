@@ -1,4 +1,4 @@
-"""The implicit GEMM dataflow (numba_sc.implicit_gemm): plan, reference and every rung.
+"""The implicit GEMM dataflow (numba_sc.dataflows.implicit_gemm): plan, reference and every rung.
 
 Three ways again: the kernels (under the CUDA simulator here, on the GPU with
 NUMBA_ENABLE_CUDASIM=0), the NumPy reference, and a float64 oracle written below
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import numba_sc
-from numba_sc import implicit_gemm as ig
-from numba_sc.backend import to_host
-from numba_sc.conventions import MASK_BITS
+from numba_sc.dataflows import implicit_gemm as ig
+from numba_sc.core.backend import to_host
+from numba_sc.core.conventions import MASK_BITS
 
 RTOL32 = 1e-5
 RTOL16 = 5e-3

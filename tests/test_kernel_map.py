@@ -14,13 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import numba_sc as ns
-from numba_sc import conventions as cv
-from numba_sc.backend import to_device, to_host
-from numba_sc.backward_search import (backward_search_cuda, backward_search_reference,
+from numba_sc.core import conventions as cv
+from numba_sc.core.backend import to_device, to_host
+from numba_sc.map.backward_search import (backward_search_cuda, backward_search_reference,
                                       max_balanced_blocks, split_query_blocks_reference)
-from numba_sc.forward_search import forward_search_cuda, forward_search_reference
-from numba_sc.metadata import chunk_counts_reference, chunk_size
-from numba_sc.query_segments import query_segments_reference
+from numba_sc.map.forward_search import forward_search_cuda, forward_search_reference
+from numba_sc.gmas.metadata import chunk_counts_reference, chunk_size
+from numba_sc.map.query_segments import query_segments_reference
 
 
 # ---------------------------------------------------------------- the oracle
@@ -498,7 +498,7 @@ def test_host_counts_read_once_and_transposed(rng):
 # ------------------------------------------------ symmetric submanifold search
 def test_mirror_reference_worked_example():
     """Rows not searched are read off their mirrors: table[K-1-k, table[k, i]] = i."""
-    from numba_sc.forward_search import mirror_reference
+    from numba_sc.map.forward_search import mirror_reference
 
     # one axis, P = Q = [0, 1, 3], offsets [-1, 0, 1]: only rows 0 (offset -1) and 1 searched
     half = np.array([[-1, 0, -1], [0, 1, 2]], np.int32)

@@ -11,7 +11,7 @@ import pytest
 from conftest import DATA_DIR
 
 import numba_sc as ns
-from numba_sc import labels as lb
+from numba_sc.train import labels as lb
 
 # semantic-kitti.yaml's learning_map (raw id -> 0 unlabeled, 1..19), transcribed for the test
 OFFICIAL = {

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 
 import numba_sc as ns
-from numba_sc import gather as ga, ladder, scatter as sc
-from numba_sc.backend import to_host
+from numba_sc.gmas import gather as ga
+from numba_sc.tools import ladder
+from numba_sc.gmas import scatter as sc
+from numba_sc.core.backend import to_host
 
 from conftest import crop, load_scan
 
@@ -121,8 +123,8 @@ def test_pipeline_stage_rungs_equal_the_reference(crop_coords):
     got = to_host(oc_.run("v1", work)).copy()
     got[-1, 2] += 2
     assert not np.array_equal(got, oc_.reference(work))
-    from numba_sc.metadata import build_tables_v1, tables_v1
-    from numba_sc.backend import filled, launch, to_device
+    from numba_sc.gmas.metadata import build_tables_v1, tables_v1
+    from numba_sc.core.backend import filled, launch, to_device
     out_t, in_t = build_tables_v1(work["km"])
     want = ladder._metadata_reference(work)
     assert np.array_equal(ladder._tables((out_t, in_t)), want)

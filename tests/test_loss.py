@@ -11,8 +11,8 @@
 import numpy as np
 import pytest
 
-from numba_sc.backend import to_host
-from numba_sc.loss import cross_entropy, cross_entropy_reference
+from numba_sc.core.backend import to_host
+from numba_sc.train.loss import cross_entropy, cross_entropy_reference
 
 BACKENDS = ("reference", "cuda")
 

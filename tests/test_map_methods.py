@@ -10,9 +10,10 @@ from test_kernel_map import (assert_matches_oracle, assert_same_map, oracle_map,
                              random_coords, searchsorted_oracle_table)
 
 import numba_sc as ns
-from numba_sc import conventions as cv
-from numba_sc import grid_map, hash_map
-from numba_sc.backend import as_array, to_device, to_host
+from numba_sc.core import conventions as cv
+from numba_sc.map import grid_map
+from numba_sc.map import hash_map
+from numba_sc.core.backend import as_array, to_device, to_host
 
 METHODS = ("hash", "grid")
 
@@ -162,16 +163,16 @@ def test_probe_kernel_sees_an_off_by_one_delta(rng):
     c = np.unique(random_coords(rng, 300, span=6), axis=0)
     keys = to_device(cv.pack_keys(c, (-1, -1, -1), (2, 2, 2)))
     m = ns.build_kernel_map(c, 3, backend="reference")
-    from numba_sc.backend import filled
-    from numba_sc.map_probe import probe_cuda
+    from numba_sc.core.backend import filled
+    from numba_sc.map.map_probe import probe_cuda
     slot_keys, slot_vals = hash_map.build_cuda(keys)
     deltas = cv.key_delta(m.offsets)
     for shift, same in ((0, True), (1, False)):
         K, Q = m.table.shape
         table, counts = filled((K, Q), np.int32, -1), filled(K, np.int64, 0)
-        chunk_counts = filled((K, -(-Q // ns.metadata.chunk_size())), np.int32, 0)
+        chunk_counts = filled((K, -(-Q // ns.gmas.metadata.chunk_size())), np.int32, 0)
         probe_cuda(hash_map.lookup_device, slot_keys, slot_vals, keys, to_device(deltas + shift), table, counts,
-                   ns.metadata.chunk_size(), chunk_counts)
+                   ns.gmas.metadata.chunk_size(), chunk_counts)
         assert np.array_equal(to_host(table), m.table) == same
         assert np.array_equal(to_host(counts), m.counts) == same
 

@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 
 import numba_sc as ns
-from numba_sc import conv, kernel_offsets, nn, pointwise as pw
-from numba_sc.backend import to_host
-from numba_sc.models import MinkUNet42, SparseResNet21
-from numba_sc.spconv_format import (conv_weight_from_spconv, conv_weight_to_spconv,
+from numba_sc import kernel_offsets, nn
+from numba_sc.gmas import conv
+from numba_sc.nn import pointwise as pw
+from numba_sc.core.backend import to_host
+from numba_sc.nn.models import MinkUNet42, SparseResNet21
+from numba_sc.nn.spconv_format import (conv_weight_from_spconv, conv_weight_to_spconv,
                                     state_dict_from_spconv, state_dict_to_spconv)
 
 from conftest import crop, load_scan
@@ -106,7 +108,7 @@ def test_pointwise_kernels_equal_references(rng, dtype):
 def test_batch_norm_plain_kernel_equals_reference(rng, dtype):
     """The library launches batch_norm_kernel_v2 (above); the plain kernel the
     module teaches with must compute the same."""
-    from numba_sc.backend import launch
+    from numba_sc.core.backend import launch
 
     a = rng.standard_normal((30, 13)).astype(dtype)
     r = rng.standard_normal((30, 13)).astype(dtype)
@@ -147,7 +149,7 @@ def test_pointwise_bad_input(rng):
 
 # ------------------------------------------------------- an oracle network
 class Oracle:
-    """The networks of numba_sc.models evaluated in float64 from their state dicts,
+    """The networks of numba_sc.nn.models evaluated in float64 from their state dicts,
     with test_conv's dictionary oracle for every convolution and the coordinates
     of each level worked out here (floor(P / s) * s)."""
 

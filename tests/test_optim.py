@@ -2,7 +2,7 @@
 
 The oracles below are written from PyTorch's documented algorithms (the
 pseudo-code of ``torch.optim.SGD`` and ``torch.optim.AdamW``), step by step,
-in float64 and with nothing of ``numba_sc.optim``. The optimizer must follow
+in float64 and with nothing of ``numba_sc.train.optim``. The optimizer must follow
 them over several steps, with momentum, Nesterov, weight decay and Adam's bias
 correction, to float32 rounding; a test also shows that the tolerance is tight
 enough to catch a bias correction off by one step. If PyTorch is installed the
@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 
-from numba_sc.optim import SGD, AdamW, cosine_lr
+from numba_sc.train.optim import SGD, AdamW, cosine_lr
 
 
 # ------------------------------------------------------------------ oracles

@@ -27,7 +27,7 @@ def test_kernel_reference_oracle(rng, stride, tensor_stride, batch):
     c = random_coords(rng, 800, batch)
     k = ns.output_coordinates(c, stride, tensor_stride, backend="cuda")
     r = ns.output_coordinates(c, stride, tensor_stride, backend="reference")
-    total = np.array(ns.conventions.as_int_tuple(stride, "s")) * ns.conventions.as_int_tuple(tensor_stride, "t")
+    total = np.array(ns.core.conventions.as_int_tuple(stride, "s")) * ns.core.conventions.as_int_tuple(tensor_stride, "t")
     assert k.dtype == np.int32
     assert np.array_equal(k, r)
     assert np.array_equal(r, oracle(c, total))
@@ -62,7 +62,7 @@ def test_bad_inputs():
         ns.output_coordinates(c, 2, tensor_stride=-1)
     with pytest.raises(TypeError, match="integer"):
         ns.output_coordinates(c.astype(np.float32), 2)
-    edge = np.array([[ns.conventions.COORD_MIN, 0, 0]], np.int32)
+    edge = np.array([[ns.core.conventions.COORD_MIN, 0, 0]], np.int32)
     with pytest.raises(ValueError, match="packable"):
         ns.output_coordinates(edge, 3)  # floor(-131072 / 3) * 3 = -131073 leaves the range
 
@@ -70,8 +70,8 @@ def test_bad_inputs():
 def test_sort_unique_keys_kernel(rng):
     """The keys-only unique of strided layers: the first M entries are np.unique's, M is
     written into the report slot asked for, and no other slot."""
-    from numba_sc.backend import to_host
-    from numba_sc.sorting import sort_unique_keys_cuda
+    from numba_sc.core.backend import to_host
+    from numba_sc.map.sorting import sort_unique_keys_cuda
 
     for n, span in [(1, 5), (300, 40), (700, 9000)]:
         keys = rng.integers(-span, span, size=n).astype(np.int64)

@@ -1,4 +1,4 @@
-"""numba_sc.torch: a sparse convolution inside PyTorch's autograd. Skipped where torch is
+"""numba_sc.nn.torch_adapter: a sparse convolution inside PyTorch's autograd. Skipped where torch is
 absent (CI); run on the GPU machine, which has it (CUDA tensors there, CPU tensors and the
 simulator or the references elsewhere)."""
 import numpy as np
@@ -7,9 +7,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import numba_sc as ns  # noqa: E402
-from numba_sc.backend import gpu_present, simulating, to_host  # noqa: E402
-from numba_sc.backward import sparse_conv3d_backward  # noqa: E402
-from numba_sc.torch import SparseConv, sparse_conv, to_array, to_tensor  # noqa: E402
+from numba_sc.core.backend import gpu_present, simulating, to_host  # noqa: E402
+from numba_sc.train.conv_gradient import sparse_conv3d_backward  # noqa: E402
+from numba_sc.nn.torch_adapter import SparseConv, sparse_conv, to_array, to_tensor  # noqa: E402
 
 from conftest import crop, load_scan  # noqa: E402
 

@@ -4,10 +4,10 @@ import pytest
 from conftest import crop, load_scan
 
 import numba_sc
-import numba_sc.kernel_map as kmmod
+import numba_sc.map.kernel_map as kmmod
 from numba_sc import SparseTensor, sparse_conv3d, trace
-from numba_sc.backend import to_host
-from numba_sc.check import run_check
+from numba_sc.core.backend import to_host
+from numba_sc.tools.check import run_check
 
 
 def small_layer(rng, n=300, c_in=4, c_out=3, k=3):

@@ -4,7 +4,7 @@ import pytest
 from conftest import crop
 
 import numba_sc as ns
-from numba_sc import conventions as cv
+from numba_sc.core import conventions as cv
 
 
 def oracle(points, voxel_size, features=None):

@@ -1,4 +1,4 @@
-"""numba_sc.words: word views and the lane unpacking the scatter uses.
+"""numba_sc.core.words: word views and the lane unpacking the scatter uses.
 
 The scatter test in test_conv.py checks the kernel end to end on every tile; these
 check the pieces by hand, with the worked example of the module docstring.
@@ -6,8 +6,8 @@ check the pieces by hand, with the worked example of the module docstring.
 import numpy as np
 import pytest
 
-from numba_sc.backend import simulating
-from numba_sc.words import lane_codec, lanes, pack_reference, row_words, unpack_reference, word_view
+from numba_sc.core.backend import simulating
+from numba_sc.core.words import lane_codec, lanes, pack_reference, row_words, unpack_reference, word_view
 
 
 def test_word_view_picks_the_widest_word():

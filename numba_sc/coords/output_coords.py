@@ -1,0 +1,184 @@
+"""Stage 2, output coordinates: where a strided convolution puts its outputs.
+
+Paper Eq. 1: a convolution of stride ``s`` on a tensor of stride ``t`` keeps its
+coordinates at the finest voxel scale and snaps them to multiples of ``s*t``::
+
+    Q = { floor(p / (s*t)) * (s*t)  for p in P },  duplicates removed, sorted.
+
+For ``s = 1`` this is ``Q = P``. Worked example, ``s*t = 2``, one axis shown::
+
+    P:  -3  -2  -1   0   1   2   3
+    Q:  -4  -2  -2   0   0   2   2   ->  unique  [-4, -2, 0, 2]
+
+Note ``floor``, not truncation: ``-1`` goes to ``-2``, keeping every output cell
+the same size on both sides of the origin. Strides may differ per axis; the batch
+column is carried unchanged, so clouds of a batch never merge.
+
+GPU pipeline: ``downsample_pack_kernel`` (one thread per input coordinate), then
+the library sort of the keys and the unique passes of :mod:`numba_sc.map.sorting`
+(:func:`~numba_sc.map.sorting.sort_unique_keys_cuda`: no order, no inverse: only the
+keys are needed), then the unpack kernel of voxelization. Bytes for N inputs:
+12-16N read, 8N written, then the sort/unique traffic (~40N). One device->host
+read, of the unique count (with the range flag): the host sizes the output by it.
+That is v2 of a two-rung ladder (``python -m numba_sc ladder outcoords``); v1,
+:func:`output_coordinates_v1`, de-duplicates as voxelization does, with two reads.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda
+
+from ..core import conventions as cv
+from ..core.backend import device_xp, filled, launch, like, resolve_backend, to_device, to_host
+from ..map.sorting import sort_unique_cuda, sort_unique_keys_cuda, sort_unique_reference
+from .voxelization import unpack_kernel
+
+
+def _total_stride(stride, tensor_stride):
+    """``s * t`` per axis, int64 (3,)."""
+    return np.array(cv.as_int_tuple(stride, "stride"), dtype=np.int64) * np.array(
+        cv.as_int_tuple(tensor_stride, "tensor_stride"), dtype=np.int64)
+
+
+def _prepare(coords, stride, tensor_stride):
+    """Host-side checks: the coordinates, and the range of the snapped coordinates."""
+    coords = cv.validate_coords(coords, "coords")
+    st = _total_stride(stride, tensor_stride)
+    # The snapped coordinates may step below the smallest input (floor), so check
+    # their range, not only the input's.
+    s = coords.shape[1] - 3
+    lo = coords[:, s:].min(axis=0).astype(np.int64)
+    hi = coords[:, s:].max(axis=0).astype(np.int64)
+    cv.check_packable((lo // st) * st, (hi // st) * st, name="output coordinates")
+    return coords, st
+
+
+def output_coordinates_reference(coords, stride, tensor_stride=1):
+    """NumPy reference of :func:`output_coordinates`."""
+    coords, st = _prepare(np.asarray(coords), stride, tensor_stride)
+    s = coords.shape[1] - 3
+    q = coords.astype(np.int64)
+    q[:, s:] = (q[:, s:] // st) * st  # NumPy's // is floor division, like Python's
+    su = sort_unique_reference(cv.pack_keys(q.astype(np.int32)))
+    return cv.unpack_keys(su.keys, with_batch=bool(s))
+
+
+@cuda.jit
+def downsample_pack_kernel(coords, s, sx, sy, sz, keys, report):
+    """One thread per input coordinate: key of floor(c / stride) * stride.
+
+    Numba's integer ``//`` follows Python: it floors, also for negatives. A
+    coordinate whose snapped value (or batch index) leaves the packable range
+    sets ``report[0]`` instead of wrapping; the host then explains the error.
+    """
+    i = cuda.grid(1)
+    if i < coords.shape[0]:
+        b = np.int64(coords[i, 0]) if s == 1 else np.int64(0)
+        x = (np.int64(coords[i, s]) // sx) * sx
+        y = (np.int64(coords[i, s + 1]) // sy) * sy
+        z = (np.int64(coords[i, s + 2]) // sz) * sz
+        if (0 <= b <= cv.BATCH_MAX and cv.COORD_MIN <= x <= cv.COORD_MAX
+                and cv.COORD_MIN <= y <= cv.COORD_MAX and cv.COORD_MIN <= z <= cv.COORD_MAX):
+            keys[i] = cv.pack_key_device(b, x, y, z)
+        else:
+            keys[i] = 0
+            report[0] = 1
+
+
+def _pack(coords, stride, tensor_stride):
+    """What both rungs start with: the snapped keys on the device, and the report
+    ``[out of range, unique keys]`` whose first entry the pack kernel sets.
+    Returns ``(coords on the device, batch column 0/1, keys, report)``."""
+    # Shape and dtype here; the range inside the kernel (no min/max reductions).
+    coords = cv.validate_coords(coords, "coords", check_range=False)
+    sx, sy, sz = _strides(stride, tensor_stride)
+    c = to_device(coords)
+    n, s = c.shape[0], c.shape[1] - 3
+    keys = device_xp().empty(n, dtype=np.int64)
+    report = filled(2, np.int64, 0)
+    launch(downsample_pack_kernel, n, c, s, sx, sy, sz, keys, report)
+    return c, s, keys, report
+
+
+def output_coordinates_v1(coords, stride, tensor_stride=1):
+    """v1: Eq. 1 with voxelization's own de-duplication (:func:`~numba_sc.map.sorting.sort_unique_cuda`).
+
+    Pack, argsort, gather the keys in that order, mark and compact the runs (which
+    also yields the order, the run starts and every input's output index, the
+    things voxelization needs for its features), unpack. Two device->host reads:
+    the range flag, then the unique count.
+    """
+    c, s, keys, report = _pack(coords, stride, tensor_stride)
+    xp = device_xp()
+    if int(to_host(report)[0]):  # read 1
+        _prepare(to_host(c), stride, tensor_stride)
+    su = sort_unique_cuda(keys)  # read 2, inside: the unique count
+    out = xp.empty((su.keys.shape[0], 3 + s), dtype=np.int32)
+    launch(unpack_kernel, out.shape[0], su.keys, s, out)
+    return out
+
+
+def output_coordinates_cuda(coords, stride, tensor_stride=1):
+    """v2 (the library's): pack the snapped coordinates, sort and de-duplicate the keys
+    alone, unpack.
+
+    What changed from v1: a strided layer needs the unique keys and nothing else,
+    so the library sorts the keys themselves (no argsort, no gather of the keys
+    in the sorted order, no order, starts or inverse), and the range flag rides
+    with the unique count in one two-number report: one device->host read
+    instead of two. Each read is a host-device round trip that stalls the
+    launch queue (~15-20 us of host time each, ``docs/performance.md``). On the
+    H100, the SemanticKITTI scan at stride 2: 529 -> 333 us, 1.59-1.61x in two runs
+    (``python -m numba_sc ladder outcoords``; host-bound, so these times include
+    the host's waits); in MinkUNet42 this change took the
+    four strided layers from 1.51x to 1.22x of spconv (fp32).
+    """
+    c, s, keys, report = _pack(coords, stride, tensor_stride)
+    xp = device_xp()
+    ukeys = sort_unique_keys_cuda(keys, report, 1)
+    flagged, m = (int(v) for v in to_host(report))
+    if flagged:
+        _prepare(to_host(c), stride, tensor_stride)  # raises the precise error
+        raise AssertionError("downsample_pack_kernel flagged a coordinate the host check accepts")
+    out = xp.empty((m, 3 + s), dtype=np.int32)
+    launch(unpack_kernel, m, ukeys, s, out)
+    return out
+
+
+def output_coordinates_rung(rung: str, coords, stride, tensor_stride=1):
+    """Run one rung of the ladder: ``"v1"`` or ``"v2"`` (the library's)."""
+    if rung not in OUTPUT_COORDS_RUNGS:
+        raise ValueError(f"rung must be one of {OUTPUT_COORDS_RUNGS}, got {rung!r}")
+    return (output_coordinates_v1 if rung == "v1" else output_coordinates_cuda)(coords, stride, tensor_stride)
+
+
+OUTPUT_COORDS_RUNGS = ("v1", "v2")
+
+
+def _strides(stride, tensor_stride):
+    """``s * t`` per axis as three Python ints, remembered per argument pair (every call
+    of a layer asks the same; an unhashable argument is worked out afresh)."""
+    try:
+        return _strides_of(stride, tensor_stride)
+    except TypeError:
+        return tuple(int(v) for v in _total_stride(stride, tensor_stride))
+
+
+@lru_cache(maxsize=256)
+def _strides_of(stride, tensor_stride):
+    return tuple(int(v) for v in _total_stride(stride, tensor_stride))
+
+
+def output_coordinates(coords, stride, tensor_stride=1, backend=None):
+    """Output coordinates of a convolution with ``stride`` on a tensor of ``tensor_stride``.
+
+    ``floor(c / (s*t)) * (s*t)``, de-duplicated and sorted lexicographically;
+    int32 (M, 3) or (M, 4) with the batch column kept. Strides may be per-axis.
+    """
+    if resolve_backend(backend) == "reference":
+        out = output_coordinates_reference(to_host(coords), stride, tensor_stride)
+    else:
+        out = output_coordinates_cuda(coords, stride, tensor_stride)
+    return like(out, coords)

@@ -1,0 +1,269 @@
+"""Stage 10, tiled scatter: partial results in the output buffer -> output features.
+
+After the GEMMs, output i has one partial result per offset it received a pair
+through, each in its own row of the output buffer (the output table of
+:mod:`numba_sc.gmas.metadata`). The scatter sums them::
+
+    out[i] = init[i] + sum over k with out_table[i, k] >= 0 of obuf[out_table[i, k]]
+
+where ``init`` is the submanifold centre's product ``F @ W[centre]`` (or zero).
+
+One thread per (channel tile, output point), mirroring the gather: the thread
+owns its tile of its output, accumulates its partial results in registers and
+writes the tile once. No other thread touches that tile, so there are no atomics
+and the sum is taken in a fixed order (offset order: the order of the output's
+list, :class:`numba_sc.gmas.metadata.PointLists`): the result is deterministic, run
+after run. Sums are accumulated in fp32 also for fp16 data.
+
+Worked example, ``C_out = 2``, ``T = 1``, output 3 with rows ``[4, 9]`` (its
+table row ``[4, -1, 9]``)::
+
+    thread (output 3, tile 0): acc = init[3, 0] + obuf[4, 0] + obuf[9, 0]; out[3, 0] = acc
+    thread (output 3, tile 1): acc = init[3, 1] + obuf[4, 1] + obuf[9, 1]; out[3, 1] = acc
+
+As in the gather, the buffer and the output are read as words (8 or 4 bytes,
+:mod:`numba_sc.core.words`) whenever a tile is a whole number of them; here each
+word is then unpacked into its channels (libdevice's bit reinterpretations) to
+be added, and the sums packed back into words for the one store. On the H100
+(Nsight Compute, 1M random voxels, the best tile of each version): fp16 at 128
+channels 222 -> 164 us, fp32 at 64 channels 141 -> 126 us; on SemanticKITTI 46
+-> 42 and 39 -> 35 us. At equal tiles the two are within a few percent; the gain
+is that bigger tiles now pay: channel by channel, a tile of 32 channels ran 2-3.5x
+slower than a tile of 8, as words it is the fastest on 1M voxels.
+
+The ladder, one idea a rung (``python -m numba_sc ladder scatter`` times them):
+
+    v1  each thread walks its output's row of the dense output table, a channel
+          at a time
+    v2  + the per-point lists: a mask and the rows that exist
+    v3  + sizes compiled in, the tile's sums in registers, unsigned indices
+    v4  + whole words, unpacked into channels to be added (the library's)
+
+On the H100, SemanticKITTI at 0.05 m, 64 channels: fp32 276 -> 132 -> 91 -> 90 us,
+fp16 284 -> 135 -> 90 -> 70 us (``benchmarks/results/ladder_kitti_h100_2026-11-24.json``):
+v1 reads its output's table row once per channel, which the tile's registers of
+v3 and the lists of v2 each remove.
+
+Napkin math, fp32: every pair's row is read once (``4 * pairs * C_out``), the
+output's mask word and rows ``C_out/T`` times (``8|Q| + 4 * pairs`` each, mostly
+cache hits), the output written once (``4|Q|C_out`` at most, plus the same read
+when a centre product is added; an output without pairs is not touched).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, uint64
+
+from ..core.backend import device_xp, launch, resolve_backend, to_device
+from .gather import check_tile
+from .metadata import as_point_lists
+from ..core.words import as_words, lane_codec, lanes, row_words
+
+
+# ------------------------------------------------------------------ reference
+def scatter_reference(obuf, out_table, init=None, n_out=None, channels=None, dtype=None):
+    """NumPy version: add each valid (output, offset) entry's row, offset by offset.
+
+    Sums in fp32 (float64 for float64 buffers) and rounds once, like the kernel.
+    """
+    obuf = np.asarray(obuf)
+    n_out = out_table.shape[0] if n_out is None else n_out
+    dtype = np.dtype(dtype or obuf.dtype)
+    acc_t = np.float64 if dtype == np.float64 else np.float32
+    acc = np.zeros((n_out, obuf.shape[1] if channels is None else channels), dtype=acc_t)
+    if init is not None:
+        acc += np.asarray(init, dtype=acc_t)
+    for k in range(out_table.shape[1]):  # the kernel's summation order
+        ii = np.flatnonzero(out_table[:, k] >= 0)
+        acc[ii] += obuf[out_table[ii, k]].astype(acc_t)
+    return acc.astype(dtype)
+
+
+# ------------------------------------------------------------------- the ladder
+# Four rungs, as in the gather; every rung is checked against scatter_reference
+# (tests/test_ladder.py) and timed by ``python -m numba_sc ladder scatter``. The
+# library runs v4 (v3 where a tile is not a whole number of words).
+
+@cuda.jit
+def scatter_v1(obuf, out_table, tile, has_init, out):
+    """v1, the scatter as the paper describes it: one thread per (channel tile,
+    output point) walks the point's row of the dense output table (|Q| x K), sums
+    the rows it finds in offset order, in fp32, and writes its tile once.
+
+    ``has_init``: ``out`` already holds the centre product, which the sum starts
+    from. (A register accumulator needs its length at compile time, so v1 sums
+    one channel of its tile at a time, reading the table row once per channel;
+    v3 sums the whole tile together.)
+    """
+    t = cuda.grid(1)
+    tiles = out.shape[1] // tile
+    if t < out.shape[0] * tiles:
+        q = t // tiles
+        c0 = (t - q * tiles) * tile
+        for c in range(c0, c0 + tile):
+            acc = float32(out[q, c]) if has_init else float32(0.0)
+            for k in range(out_table.shape[1]):  # offset order: the same sum, run after run
+                row = out_table[q, k]
+                if row >= 0:
+                    acc += float32(obuf[row, c])
+            out[q, c] = acc  # the only write of this value: no atomics
+
+
+@cuda.jit
+def scatter_v2(obuf, out_masks, buffered, out_slots, tile, has_init, out):
+    """v2: the per-point lists instead of the dense table (as the gather's v2):
+    a thread reads its output's mask and then only the rows that exist.
+    Measured when it came in (H100, Nsight Compute, 1M random voxels, 64
+    channels): 388 -> 152 us."""
+    t = cuda.grid(1)
+    tiles = out.shape[1] // tile
+    if t < out.shape[0] * tiles:
+        q = t // tiles
+        c0 = (t - q * tiles) * tile
+        n = 0
+        for w in range(out_masks.shape[0]):
+            n += cuda.popc(out_masks[w, q] & buffered[w])
+        for c in range(c0, c0 + tile):
+            acc = float32(out[q, c]) if has_init else float32(0.0)
+            for s in range(n):
+                acc += float32(obuf[out_slots[s, q], c])
+            out[q, c] = acc
+
+
+@lru_cache(maxsize=None)
+def scatter_kernel(tile: int, tiles: int, word=None, itemsize: int = 4):
+    """v3 (``word=None``) and v4: the scatter kernel compiled for one tile size and
+    one number of tiles per row.
+
+    **v3**: both are compile-time constants: the tile is held in registers
+    (``cuda.local.array`` needs a constant length) and every thread divides its
+    index by ``tiles``, a multiply and a shift for a constant where a 64-bit
+    division by a run-time value is a software routine of dozens of
+    instructions.
+
+    ``word=None``: ``obuf`` and ``out`` are float arrays, read and written channel
+    by channel, and ``tile`` counts channels; the tile's sums are held together in
+    registers, so the point's rows are read once per tile, not once per channel.
+    Outputs without pairs keep their centre product untouched (no read, no write).
+
+    **v4** (``word`` given): they are the same bytes seen as ``word``s
+    (:mod:`numba_sc.core.words`), ``tile`` counts words, and each word is unpacked
+    into its ``itemsize``-byte channels to be added: a fp16 tile of 8 channels is
+    then two loads per row instead of eight. Measured when it came in: fp16 128
+    channels on 1M voxels 222 -> 164 us, fp32 64 channels 141 -> 126 us.
+    """
+    n_lanes = lanes(word, itemsize)
+    lane, packed = lane_codec(word, itemsize)
+    channels = tile * n_lanes  # channels per thread: the accumulator's length
+    # unsigned, as in the gather (numba_sc.gmas.gather.gather_kernel)
+    per_thread, per_row, n_u = np.uint64(tile), np.uint64(tiles), np.uint64(n_lanes)
+
+    @cuda.jit
+    def scatter(obuf, out_masks, buffered, out_slots, has_init, out):
+        """Output q's rows are ``out_slots[:, q]``, one per set bit of ``out_masks[:, q] &
+        buffered``, in offset order (:class:`numba_sc.gmas.metadata.PointLists`)."""
+        t = uint64(cuda.grid(1))
+        if t < uint64(out.shape[0]) * per_row:
+            q = t // per_row  # as in the gather: neighbouring threads, neighbouring tiles
+            c0 = (t - q * per_row) * per_thread  # first word (or channel) of this thread's tile
+            n = 0  # q's entries: its buffered offsets with a pair (shared by all tiles of q)
+            for w in range(uint64(out_masks.shape[0])):
+                n += cuda.popc(out_masks[w, q] & buffered[w])
+            # An output without pairs keeps its centre product untouched: no read,
+            # no write (most of a sparse cloud's points); without a centre
+            # product it gets its zeros.
+            if n > 0 or not has_init:
+                acc = cuda.local.array(channels, float32)  # fp32 accumulator, fp16 data or not
+                if has_init:
+                    # ``out`` already holds the centre product: start from it (the
+                    # same order of additions as the reference)
+                    for c in range(per_thread):
+                        x = out[q, c0 + c]
+                        for m in range(n_u):
+                            acc[c * n_u + m] = lane(x, m)
+                else:
+                    for c in range(channels):
+                        acc[c] = float32(0.0)
+                for s in range(uint64(n)):  # offset order: the same sum, run after run
+                    row = uint64(out_slots[s, q])
+                    for c in range(per_thread):
+                        x = obuf[row, c0 + c]
+                        for m in range(n_u):
+                            acc[c * n_u + m] += lane(x, m)
+                for c in range(per_thread):
+                    out[q, c0 + c] = packed(acc, c * n_u)  # the tile's only write: no atomics
+
+    return scatter
+
+
+def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=None, tile=1):
+    """Device version: one launch of :func:`scatter_kernel`.
+
+    ``out_lists``: a plan's :class:`~numba_sc.gmas.metadata.PointLists` (``plan.out_lists``),
+    or a dense (|Q|, K) output table, which is packed into lists first. When
+    ``init`` (|Q|, C_out) is given it is used as the output array itself (summed
+    into in place), saving a separate addition.
+    """
+    xp = device_xp()
+    out_lists = as_point_lists(out_lists)
+    n_out = len(out_lists) if n_out is None else n_out
+    channels = obuf.shape[1] if channels is None else channels
+    if init is not None:
+        out = to_device(init)
+    else:
+        out = xp.empty((n_out, channels), dtype=dtype or obuf.dtype)
+    obuf = to_device(obuf)
+    tiles = channels // tile
+    word, tile_words, per_row = row_words(out.itemsize, tile, channels)
+    if obuf.dtype != out.dtype:
+        word, tile_words = None, tile  # (the public scatter() takes any buffer dtype)
+    src, dst = obuf, out
+    if word is not None and n_out:  # the same bytes, as rows of words
+        src, dst = as_words(obuf, obuf.shape[0], per_row, word), as_words(out, n_out, per_row, word)
+    launch(scatter_kernel(tile_words, tiles, word, out.itemsize), n_out * tiles, src,
+           to_device(out_lists.masks), to_device(out_lists.buffered), to_device(out_lists.slots),
+           init is not None, dst)
+    return out
+
+
+def scatter_rung(rung: str, obuf, plan, init, tile):
+    """Run one rung of the ladder (``"v1"`` .. ``"v4"``) on a plan's layout: the
+    (|Q|, C_out) sums of ``obuf``'s rows plus ``init`` (which is not modified)."""
+    obuf = to_device(obuf)
+    if rung == "v4":
+        return scatter_cuda(obuf, plan.out_lists, to_device(init).copy(), plan.n_out, obuf.shape[1],
+                            obuf.dtype, tile)
+    out = to_device(init).copy()
+    n = out.shape[0] * (out.shape[1] // tile)
+    lists = plan.out_lists
+    if rung == "v1":
+        launch(scatter_v1, n, obuf, to_device(plan.out_table), tile, True, out)
+    elif rung == "v2":
+        launch(scatter_v2, n, obuf, to_device(lists.masks), to_device(lists.buffered), to_device(lists.slots),
+               tile, True, out)
+    elif rung == "v3":
+        launch(scatter_kernel(tile, out.shape[1] // tile, None, out.itemsize), n, obuf, to_device(lists.masks),
+               to_device(lists.buffered), to_device(lists.slots), True, out)
+    else:
+        raise ValueError(f"rung must be one of {SCATTER_RUNGS}, got {rung!r}")
+    return out
+
+
+SCATTER_RUNGS = ("v1", "v2", "v3", "v4")
+
+
+def scatter(obuf, out_table, init=None, tile=1, backend=None, n_out=None, channels=None,
+            dtype=None):
+    """Sum each output's partial results (plus ``init``, if given); returns (|Q|, C_out).
+
+    ``init`` is never modified: the kernel path sums into a copy of it.
+    """
+    channels = obuf.shape[1] if channels is None else channels
+    tile = check_tile(tile, channels, "tile_size", "output channels")
+    if resolve_backend(backend) == "reference":
+        return scatter_reference(obuf, np.asarray(out_table), init, n_out, channels, dtype)
+    if init is not None:
+        init = to_device(init).copy()  # scatter_cuda sums into its init in place
+    return scatter_cuda(obuf, out_table, init, n_out, channels, dtype, tile)

@@ -1,0 +1,17 @@
+"""Networks: layers that hold their weights, the kernels between the convolutions, two models.
+
+    layers           SubMConv3d, SparseConv3d, SparseInverseConv3d, BatchNorm, ReLU, Linear,
+                     Sequential, add, cat; maps kept on the tensors and reused
+    pointwise        the kernels between convolutions: BatchNorm (+ residual, + ReLU), add, concat
+    models           SparseResNet21 and MinkUNet42, the two networks of the paper's evaluation
+    spconv_format    weights from and to spconv's (C_out, kx, ky, kz, C_in) layout
+    torch_adapter    (optional, needs PyTorch) a sparse convolution as a torch.autograd.Function
+
+The layers are importable from here: ``numba_sc.nn.SubMConv3d``, ``numba_sc.nn.Tape``, ...
+"""
+from ..train.tape import Tape
+from .layers import (BatchNorm, ConvLayer, Identity, Linear, Module, ReLU, Sequential, SparseConv3d,
+                     SparseInverseConv3d, SubMConv3d, add, cat, current_backend, observe)
+
+__all__ = ["BatchNorm", "ConvLayer", "Identity", "Linear", "Module", "ReLU", "Sequential", "SparseConv3d",
+           "SparseInverseConv3d", "SubMConv3d", "Tape", "add", "cat", "current_backend", "observe"]

@@ -1,0 +1,15 @@
+"""Training: the backward pass of every layer, the tape that plays it, losses, optimizers, the loop.
+
+    conv_gradient   the gradient of a sparse convolution (input: the transposed layer on the
+                    same plan; weight: one batched GEMM per group of offsets)
+    tape            Tape: records each layer's backward step in the forward pass, plays them back
+    loss            cross-entropy and its gradient
+    optim           SGD and AdamW, in place; learning-rate schedules
+    labels          SemanticKITTI's label ids, classes, per-voxel labels and scores
+    loop            one training step, and fitting a network to a labelled scan
+
+The loop's functions are importable from here: ``numba_sc.train.scan_tensor``, ...
+"""
+from .loop import fit_scan, predict, scan_tensor, scores, train_step
+
+__all__ = ["fit_scan", "predict", "scan_tensor", "scores", "train_step"]

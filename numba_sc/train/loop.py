@@ -1,0 +1,102 @@
+"""Training a sparse network by hand: forward, loss, backward, update, and nothing hidden.
+
+One step is four calls, each a module of this library::
+
+    with nn.Tape() as tape:                      # record each layer's backward (numba_sc.train.tape)
+        y = model(x)                             # forward, BatchNorm on the batch's statistics
+    loss, g = cross_entropy(y.features, target)  # the loss and dL/dy (numba_sc.train.loss)
+    grads = tape.backward(y, g)                  # every layer's backward kernels, last to first
+    optimizer.step(grads)                        # SGD or AdamW, in place (numba_sc.train.optim)
+
+:func:`fit_scan` runs that loop on one labelled scan, the way a student
+checks a new backward pass: a network that can drive the loss on one scan
+towards zero (point accuracy and mIoU near 1) has gradients that point the
+right way. It is an overfitting demonstration, not a training recipe: nothing
+here generalizes to other scans, and no number it prints is a benchmark
+result on SemanticKITTI.
+
+The voxel features are the mean of the points' (x, y, z, remission) in each
+voxel, with x, y, z centred and scaled to unit spread; a voxel's label is the
+majority of its points' labels (:func:`numba_sc.train.labels.voxel_labels`), and
+the scores are on the points, each taking its voxel's prediction.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from . import labels as lb
+from .tape import Tape
+from ..core.backend import gpu_present, resolve_backend, simulating, to_device, to_host
+from .loss import cross_entropy
+from ..core.tensor import SparseTensor
+from ..coords.voxelization import voxelize
+
+
+def train_step(model, x, target, optimizer, backend=None, weight=None):
+    """One step (module docstring) on a :class:`SparseTensor` ``x`` with ``target`` (one
+    class id per row of the output, ignore index 255). Returns the loss (float)."""
+    model.train()
+    with Tape() as tape:
+        y = model(x, backend=backend)
+    loss, g = cross_entropy(y.features, target, weight=weight, backend=backend)
+    optimizer.step(tape.backward(y, g))
+    return loss
+
+
+def predict(model, x, backend=None):
+    """The class of each output row at inference (``model.eval()``, running statistics)."""
+    model.eval()
+    y = model(x, backend=backend)
+    return np.asarray(to_host(y.features)).argmax(axis=1)
+
+
+def scan_tensor(points, raw_labels, voxel_size=0.05, backend=None):
+    """A labelled scan as training data: ``(x, voxel_target, inverse, point_target)``.
+
+    ``points`` (N, 4) x, y, z, remission; ``raw_labels`` (N,) SemanticKITTI's raw
+    label words. ``x`` holds one row per voxel, its features the voxel's mean of
+    (centred, scaled x, y, z, remission)."""
+    points = np.asarray(points, np.float32)
+    if points.ndim != 2 or points.shape[1] != 4:
+        raise ValueError(f"points must be (N, 4): x, y, z, remission, got {points.shape}")
+    point_target = lb.learning_map(raw_labels)
+    if point_target.shape != (len(points),):
+        raise ValueError(f"raw_labels must have one label per point ({len(points)}), got {point_target.shape}")
+    xyz = points[:, :3]
+    feats = np.concatenate([(xyz - xyz.mean(axis=0)) / xyz.std(axis=0).clip(1e-6), points[:, 3:4]], axis=1)
+    v = voxelize(np.ascontiguousarray(xyz), voxel_size, features=feats.astype(np.float32), backend="reference")
+    target = lb.voxel_labels(point_target, v.inverse, lb.NUM_CLASSES, num_voxels=len(v))
+    coords, f = v.coords, v.features
+    if resolve_backend(backend) == "cuda" and gpu_present() and not simulating():
+        coords, f, target = to_device(coords), to_device(f), to_device(target)
+    return SparseTensor(coords, f), target, v.inverse, point_target
+
+
+def scores(model, x, inverse, point_target, backend=None):
+    """Point accuracy and mIoU of the model's voxel predictions, carried to the points."""
+    pred = predict(model, x, backend)[np.asarray(inverse)]
+    cm = lb.confusion_matrix(pred, point_target, lb.NUM_CLASSES)
+    return lb.accuracy(cm), lb.miou(cm)
+
+
+def fit_scan(model, optimizer, x, target, inverse, point_target, steps, backend=None, schedule=None,
+             log_every=10, print_=print):
+    """Train ``model`` on one scan for ``steps`` steps; returns the history: one dict
+    per logged step with the loss, the point accuracy and mIoU (at inference), and
+    the seconds since the start. ``schedule(step) -> lr``, optional."""
+    history = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        if schedule is not None:
+            optimizer.lr = schedule(step)
+        loss = train_step(model, x, target, optimizer, backend)
+        if step % log_every == 0 or step == steps - 1:
+            acc, miou = scores(model, x, inverse, point_target, backend)
+            rec = {"step": step, "loss": float(loss), "accuracy": acc, "miou": miou,
+                   "seconds": time.perf_counter() - t0}
+            history.append(rec)
+            print_(f"step {step:4d}  loss {loss:.4f}  point accuracy {acc:.3f}  mIoU {miou:.3f}  "
+                   f"({rec['seconds']:.1f} s)")
+    return history

@@ -1,0 +1,101 @@
+"""A tape: each layer's backward step recorded during the forward pass, played back in reverse.
+
+This is reverse-mode differentiation with nothing hidden. While a :class:`Tape`
+is open, every layer of :mod:`numba_sc.nn` (and :func:`numba_sc.nn.add`,
+:func:`numba_sc.nn.cat`) appends one *step* after it runs: its output array, its
+input arrays, and a function that maps the gradient of the output to the
+gradients of the inputs (and adds its parameters' gradients to a dictionary).
+:meth:`Tape.backward` starts from the loss's gradient with respect to the
+network's output and walks the steps from the last to the first; an array that
+fed several layers (a residual shortcut, a U-Net skip) collects the sum of the
+gradients they send back, which is the chain rule for a variable used twice.
+
+    model.train()
+    with nn.Tape() as tape:
+        y = model(x)
+    loss, g = cross_entropy(y.features, target)     # dL/dy
+    grads = tape.backward(y, g)                      # {"stem.0.0.weight": dL/dW, ...}
+    opt.step(grads)
+
+Arrays are told apart by identity (``id``): every layer returns a new feature
+array, and the tape holds a reference to each array it recorded, so no id is
+reused while the tape lives. Layers whose output *is* their input
+(:class:`numba_sc.nn.Identity`) record nothing: the gradient flows through
+unchanged. The kernels each step calls are in :mod:`numba_sc.train.conv_gradient` (the
+convolutions) and :mod:`numba_sc.nn.pointwise` (the rest).
+"""
+from __future__ import annotations
+
+import contextvars
+
+from ..core.backend import like
+
+_TAPE = contextvars.ContextVar("numba_sc_tape", default=None)
+
+
+def current_tape():
+    """The open :class:`Tape`, or None (then layers record nothing and pay nothing)."""
+    return _TAPE.get()
+
+
+class Tape:
+    """Records backward steps while open (``with Tape() as tape:``)."""
+
+    def __init__(self):
+        self.steps = []  # (output array, input arrays, backward(g, param_grads) -> input grads)
+        self._left = {}
+        self._token = None
+
+    def __enter__(self):
+        self._token = _TAPE.set(self)
+        return self
+
+    def __exit__(self, *exc):
+        _TAPE.reset(self._token)
+        return False
+
+    def record(self, output, inputs, backward):
+        """One step: ``backward(g, param_grads)`` returns one gradient per input (or None
+        for an input that gets none) and adds ``{parameter name: gradient}`` to
+        ``param_grads``."""
+        self.steps.append((output, tuple(inputs), backward))
+
+    def backward(self, y, grad) -> dict:
+        """Play the steps back from ``grad`` = dL/d``y.features``; returns the parameters'
+        gradients by name (:meth:`numba_sc.nn.Module.named_parameters` names)."""
+        out = getattr(y, "features", y)
+        if tuple(grad.shape) != tuple(out.shape):
+            raise ValueError(f"grad must have the shape of y's features {tuple(out.shape)}, got "
+                             f"{tuple(grad.shape)}")
+        if grad.dtype != out.dtype:
+            raise TypeError(f"grad is {grad.dtype} but y's features are {out.dtype}: pass "
+                            f"grad.astype({out.dtype.name!r})")
+        if not any(step[0] is out for step in self.steps):
+            raise ValueError("y was not made by a layer called while this tape was open: run the "
+                             "forward pass inside 'with Tape() as tape:'")
+        grads = {id(out): grad}
+        params = {}
+        for output, inputs, step in reversed(self.steps):
+            g = grads.pop(id(output), None)
+            if g is None:  # this layer's output does not reach y
+                continue
+            for a, ga in zip(inputs, step(g, params)):
+                if a is None or ga is None:
+                    continue
+                ga = like(ga, a)  # a gradient lives where its array does (host or device)
+                k = id(a)
+                grads[k] = ga if k not in grads else grads[k] + ga
+        self._left = grads
+        return params
+
+    def grad(self, x):
+        """After :meth:`backward`: dL/d``x.features`` for a tensor that no recorded layer
+        made (the network's input), or None when the loss does not depend on it."""
+        return self._left.get(id(getattr(x, "features", x)))
+
+
+def add_param_grad(params: dict, name: str, g, param):
+    """``params[name] += g`` (a layer called twice in one pass gets both gradients), on
+    the side of the parameter array ``param`` (host or device), as an optimizer wants."""
+    g = like(g, param)
+    params[name] = g if name not in params else params[name] + g
