@@ -24,7 +24,7 @@ and GMaS-alone calls of a row's contenders are timed interleaved, call by call
 (:func:`timed_interleaved`; ``--sequential``: one contender after the other). A short table
 goes to stdout, everything to ``--out`` (JSON).
 """
-# (numba_sc.core.backend.launch switches off Numba's per-launch host sync on CuPy
+# (numba_sc.core.launch.launch switches off Numba's per-launch host sync on CuPy
 # arguments itself, so the benchmark measures what a user gets.)
 
 import argparse  # noqa: E402
@@ -159,7 +159,7 @@ def bench_numba_sc(coords, cin, cout, dtype, args, rec):
     import cupy
 
     import numba_sc
-    from numba_sc.gmas.conv import _prepare_layer
+    from numba_sc.gmas.conv import prepare_layer
     from numba_sc.gmas.gather import gather_cuda
     from numba_sc.gmas.gemm_grouping import centre_product_cuda, grouped_gemm_cuda
     from numba_sc.map.kernel_map import build_kernel_map
@@ -185,7 +185,7 @@ def bench_numba_sc(coords, cin, cout, dtype, args, rec):
         for name, fn in calls.items():
             rec[name] = timed(fn, args.warmup, args.reps, ev)
     # per stage, on prepared arrays
-    f, wd, km2, plan = _prepare_layer(x, w, 3, 1, 1, False, km, "cuda")
+    f, wd, km2, plan = prepare_layer(x, w, 3, 1, 1, False, km, "cuda")
     ibuf = gather_cuda(f, plan.in_lists, plan.rows, tiles[0])
     obuf = cupy.empty((plan.rows, cout), dtype=dtype)
     init = centre_product_cuda(f, wd, plan.centre) if plan.centre >= 0 else None

@@ -6,7 +6,7 @@ the kernel, sets the wall time. This measures a trivial 3-array kernel launched
 - with CuPy arrays (Numba reads ``__cuda_array_interface__`` each call),
 - with ``cuda.as_cuda_array`` views made per call,
 - with Numba device arrays made once,
-- through ``numba_sc.core.backend.launch`` (what the package does: ``cuLaunchKernel``
+- through ``numba_sc.core.launch.launch`` (what the package does: ``cuLaunchKernel``
   from prepared parameter slots), and the same with ``cuda.core.launch``.
 
 Median host microseconds over 2000 launches (no synchronisation inside the loop).
@@ -24,8 +24,8 @@ def main():
     import cupy
     from numba import cuda
 
-    from numba_sc.core import backend
-    from numba_sc.core.backend import launch
+    from numba_sc.core import launch as launching
+    from numba_sc.core.launch import launch
 
     @cuda.jit
     def axpy(x, y, out):
@@ -34,11 +34,11 @@ def main():
             out[i] = 2.0 * x[i] + y[i]
 
     def through_core():  # the fast path with cuda.core.launch instead of cuLaunchKernel
-        backend._FAST.raw = False
+        launching._FAST.raw = False
         try:
             launch(axpy, n, x, y, out)
         finally:
-            backend._FAST.raw = True
+            launching._FAST.raw = True
 
     n = 1 << 16
     x, y, out = (cupy.ones(n, cupy.float32) for _ in range(3))
@@ -62,7 +62,7 @@ def main():
         "as_cuda_array per call": lambda: axpy[256, 256](cuda.as_cuda_array(x), cuda.as_cuda_array(y),
                                                          cuda.as_cuda_array(out)),
         "numba device arrays": lambda: axpy[256, 256](nx, ny, nout),
-        "numba_sc.core.backend.launch": lambda: launch(axpy, n, x, y, out),
+        "numba_sc.core.launch.launch": lambda: launch(axpy, n, x, y, out),
         "  ... via cuda.core.launch": through_core,
         "cupy elementwise (peer)": lambda: cupy.add(x, y, out=out),
     }

@@ -16,7 +16,8 @@ docstring that teaches it, the NumPy reference and the CUDA kernels (Numba):
 The names below are the public API; every module is importable by its path
 (``numba_sc.map.kernel_map``, ``numba_sc.gmas.gather``, ...).
 """
-from .core.backend import gpu_present, resolve_backend, simulating
+from .core.device import gpu_present, simulating
+from .core.backend import resolve_backend
 from .core.conventions import kernel_offsets, key_delta, pack_keys, unpack_keys
 from .gmas.autotune import TileChoice, heuristic_tile
 from .gmas.conv import autotune, choose_dataflow, sparse_conv3d

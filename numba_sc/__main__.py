@@ -19,7 +19,7 @@ def _ensure_kernels_can_run():
     ``numba_sc`` imports numba, so the command re-executes itself once with
     ``NUMBA_ENABLE_CUDASIM=1`` in the environment.
     """
-    from .core.backend import gpu_present, simulating
+    from .core.device import gpu_present, simulating
 
     if simulating() or gpu_present() or os.environ.get("NUMBA_ENABLE_CUDASIM") == "0":
         return
@@ -116,7 +116,7 @@ def _train(args):
     from .nn import models
     from .train import optim
     from .train import loop as train
-    from .core.backend import gpu_present, simulating
+    from .core.device import gpu_present, simulating
     from .tools.check import crop_points
 
     if args.steps < 1:
@@ -145,11 +145,11 @@ def _train(args):
                              schedule=lambda s: optim.cosine_lr(s, args.steps, args.lr, warmup=min(10, args.steps)),
                              log_every=args.log_every)
     if args.out:
-        from .tools.ladder import _device_name
+        from .core.device import device_name
 
         rec = {"points": int(len(points)), "voxels": int(len(x)), "width": args.width, "steps": args.steps,
                "lr": args.lr, "history": history,
-               "recorded": {"device": _device_name(), "date": time.strftime("%Y-%m-%d"),
+               "recorded": {"device": device_name(), "date": time.strftime("%Y-%m-%d"),
                             "command": "python -m numba_sc " + " ".join(sys.argv[1:])}}
         Path(args.out).write_text(json.dumps(rec, indent=1))
     return 0
@@ -158,7 +158,7 @@ def _train(args):
 def _ladder(args):
     import numpy as np
 
-    from .core.backend import gpu_present, simulating
+    from .core.device import gpu_present, simulating
     from .tools.check import crop_points
     from .tools.demo import load_points
     from .tools.ladder import LADDERS, run_ladder

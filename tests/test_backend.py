@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from numba_sc.core import backend
+from numba_sc.core import device, launch as launching, pieces
 
 
 @cuda.jit
@@ -19,9 +19,9 @@ def mixed_kernel(a2d, b, scale, offset, flip, out):
         out[i] = -v if flip else v
 
 
-@pytest.mark.skipif(not backend.gpu_present(), reason="the fast launch path runs only on a GPU")
+@pytest.mark.skipif(not device.gpu_present(), reason="the fast launch path runs only on a GPU")
 def test_fast_launch_matches_dispatcher(monkeypatch):
-    monkeypatch.setattr(backend, "_FAST", backend.FastLauncher())  # learns afresh
+    monkeypatch.setattr(launching, "_FAST", launching.FastLauncher())  # learns afresh
     import cupy
 
     rng = np.random.default_rng(1)
@@ -30,37 +30,37 @@ def test_fast_launch_matches_dispatcher(monkeypatch):
     expect = (a[:, 0] * 1.5 + a[:, 1] + b + 7).get()
     for flip in (False, True, False):  # first call learns, the others go fast
         out = cupy.full(5000, np.nan, np.float32)
-        backend.launch(mixed_kernel, 5000, a, b, 1.5, 7, flip, out, threads=128)
+        launching.launch(mixed_kernel, 5000, a, b, 1.5, 7, flip, out, threads=128)
         np.testing.assert_allclose(out.get(), -expect if flip else expect, rtol=1e-5, atol=1e-5)
-    (entry,) = [v for k, v in backend._FAST._compiled.items() if k[0] is mixed_kernel]
+    (entry,) = [v for k, v in launching._FAST._compiled.items() if k[0] is mixed_kernel]
     assert entry[2] is not None  # a float scalar goes through the driver's slots too (its bits)
     out = cupy.full(5000, np.nan, np.float32)  # a NumPy float32 scalar: another signature, learned
     for _ in range(2):
-        backend.launch(mixed_kernel, 5000, a, b, np.float32(-0.25), 7, False, out, threads=128)
+        launching.launch(mixed_kernel, 5000, a, b, np.float32(-0.25), 7, False, out, threads=128)
         np.testing.assert_allclose(out.get(), (a[:, 0] * -0.25 + a[:, 1] + b + 7).get(), rtol=1e-5, atol=1e-5)
     # A non-contiguous view is a different signature: it is learned, not mixed up.
     out2 = cupy.zeros(10000, np.float32)[::2]
-    backend.launch(mixed_kernel, 5000, a, b, 1.5, 7, False, out2)
-    backend.launch(mixed_kernel, 5000, a, b, 1.5, 7, False, out2)
+    launching.launch(mixed_kernel, 5000, a, b, 1.5, 7, False, out2)
+    launching.launch(mixed_kernel, 5000, a, b, 1.5, 7, False, out2)
     np.testing.assert_allclose(out2.get(), expect, rtol=1e-5, atol=1e-5)
     # Negative integers and a float32 scalar fill their slots correctly too.
     expect = (a[:, 0] * np.float32(-0.25) + a[:, 1] + b - 3).get()
     for _ in range(2):
         out = cupy.full(5000, np.nan, np.float32)
-        backend.launch(mixed_kernel, 5000, a, b, np.float32(-0.25), -3, False, out, threads=64)
+        launching.launch(mixed_kernel, 5000, a, b, np.float32(-0.25), -3, False, out, threads=64)
         np.testing.assert_allclose(out.get(), expect, rtol=1e-5, atol=1e-5)
     # A CuPy stream made current is the stream the launch goes to: ordered with the
     # allocation, fill and read queued on it.
     with cupy.cuda.Stream(non_blocking=True):
         for _ in range(2):
             out = cupy.full(5000, np.nan, np.float32)
-            backend.launch(mixed_kernel, 5000, a, b, np.float32(-0.25), -3, False, out, threads=64)
+            launching.launch(mixed_kernel, 5000, a, b, np.float32(-0.25), -3, False, out, threads=64)
             np.testing.assert_allclose(out.get(), expect, rtol=1e-5, atol=1e-5)
-    # A piece of a larger allocation (numba_sc.core.backend.Piece) is an array argument too.
+    # A piece of a larger allocation (numba_sc.core.pieces.Piece) is an array argument too.
     big = cupy.full(7000, np.nan, np.float32)
     for _ in range(2):
-        part = backend.piece(big, 4 * 1000, (5000,), np.float32)
-        backend.launch(mixed_kernel, 5000, a, b, np.float32(-0.25), -3, False, part, threads=64)
+        part = pieces.piece(big, 4 * 1000, (5000,), np.float32)
+        launching.launch(mixed_kernel, 5000, a, b, np.float32(-0.25), -3, False, part, threads=64)
         np.testing.assert_allclose(big[1000:6000].get(), expect, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(part.get(), expect, rtol=1e-5, atol=1e-5)
     assert np.isnan(big[:1000].get()).all() and np.isnan(big[6000:].get()).all()  # nothing outside
@@ -74,16 +74,16 @@ def integer_kernel(a2d, b, offset, flip, out):
         out[i] = -v if flip else v
 
 
-@pytest.mark.skipif(not backend.gpu_present(), reason="the fast launch path runs only on a GPU")
+@pytest.mark.skipif(not device.gpu_present(), reason="the fast launch path runs only on a GPU")
 @pytest.mark.parametrize("raw", [True, False])
 def test_raw_driver_launch_matches_dispatcher(monkeypatch, raw):
     """Integer-only signatures go straight to cuLaunchKernel from 8-byte slots
     (``FastLauncher.raw``); ``raw=False`` sends them through ``cuda.core``. Both
     must pass every field: 2-D and 1-D arrays, int32 and int64 arrays, negative
     scalars, booleans, pieces, a non-default stream."""
-    fast = backend.FastLauncher()
+    fast = launching.FastLauncher()
     fast.raw = raw
-    monkeypatch.setattr(backend, "_FAST", fast)
+    monkeypatch.setattr(launching, "_FAST", fast)
     import cupy
 
     rng = np.random.default_rng(2)
@@ -92,15 +92,15 @@ def test_raw_driver_launch_matches_dispatcher(monkeypatch, raw):
     for offset, flip in ((5, False), (-(2 ** 40), True), (-7, False), (0, True)):
         expect = (a[:, 0].astype(np.int64) * 3 + a[:, 1] + b + offset).get()
         out = cupy.zeros(3000, np.int64)
-        backend.launch(integer_kernel, 3000, a, b, offset, flip, out, threads=128)
+        launching.launch(integer_kernel, 3000, a, b, offset, flip, out, threads=128)
         np.testing.assert_array_equal(out.get(), -expect if flip else expect)
     (entry,) = [v for k, v in fast._compiled.items() if k[0] is integer_kernel]
     assert entry[2] is not None  # integer-only: the driver path is available
     big = cupy.full(5000, -1, np.int64)
     with cupy.cuda.Stream(non_blocking=True):
         for _ in range(2):
-            part = backend.piece(big, 8 * 1000, (3000,), np.int64)
-            backend.launch(integer_kernel, 3000, a, b, -3, False, part, threads=64)
+            part = pieces.piece(big, 8 * 1000, (3000,), np.int64)
+            launching.launch(integer_kernel, 3000, a, b, -3, False, part, threads=64)
             expect = (a[:, 0].astype(np.int64) * 3 + a[:, 1] + b - 3).get()
             np.testing.assert_array_equal(part.get(), expect)
     assert (big[:1000].get() == -1).all() and (big[4000:].get() == -1).all()

@@ -22,7 +22,9 @@ from hypothesis import strategies as st
 import numba_sc
 from numba_sc import SparseTensor, kernel_offsets, sparse_conv3d
 from numba_sc import autotune as autotune_mod_fn  # the function
-from numba_sc.core.backend import as_array, simulating, to_device, to_host
+from numba_sc.core.device import simulating
+from numba_sc.core.backend import to_device, to_host
+from numba_sc.core.pieces import as_array
 from numba_sc.gmas.conv import gmas, resolve_tiles
 from numba_sc.gmas.gather import divisors, gather_cuda, gather_reference
 from numba_sc.gmas.gemm_grouping import launch_rows, make_groups, offset_order, padding_report
@@ -410,13 +412,13 @@ def test_layers_sharing_a_map_share_its_plan(rng):
     assert getattr(km, "_plan", None) is None
     want = to_host(sparse_conv3d(x, w2, 3, backend="reference").features)
     z = sparse_conv3d(x, w2, kernel_map=km, backend="cuda", dataflow="gmas")
-    plan = km._plan[1]
+    plan = km.kept_plan[1]
     z2 = sparse_conv3d(x, w2, kernel_map=km, backend="cuda", dataflow="gmas")
-    assert km._plan[1] is plan
+    assert km.kept_plan[1] is plan
     for got in (z, z2):
         np.testing.assert_allclose(to_host(got.features), want, rtol=1e-4, atol=1e-4)
     z0 = sparse_conv3d(x, w2, kernel_map=km, backend="cuda", max_padding=0.0, launch_rows=0, dataflow="gmas")
-    assert km._plan[1] is not plan and km._plan[1].policy[:1] == (0.0,)
+    assert km.kept_plan[1] is not plan and km.kept_plan[1].policy[:1] == (0.0,)
     np.testing.assert_allclose(to_host(z0.features), want, rtol=1e-4, atol=1e-4)
 
 

@@ -424,7 +424,7 @@ def test_other_bad_inputs():
         ns.build_kernel_map(c[:2], out_coords=np.zeros((1, 4), np.int32), backend="reference")
     with pytest.raises(ValueError, match="kernel_size"):
         ns.build_kernel_map(c[:2], kernel_size=0, backend="reference")
-    # The layer's arguments are remembered per call signature (kernel_map._layer):
+    # The layer's arguments are remembered per call signature (kernel_map.layer_arguments):
     # a bad one is refused every time, and equal layers spelled differently agree.
     with pytest.raises(ValueError, match="kernel_size"):
         ns.build_kernel_map(c[:2], kernel_size=0, backend="cuda")

@@ -124,7 +124,8 @@ def test_pipeline_stage_rungs_equal_the_reference(crop_coords):
     got[-1, 2] += 2
     assert not np.array_equal(got, oc_.reference(work))
     from numba_sc.gmas.metadata import build_tables_v1, tables_v1
-    from numba_sc.core.backend import filled, launch, to_device
+    from numba_sc.core.backend import filled, to_device
+    from numba_sc.core.launch import launch
     out_t, in_t = build_tables_v1(work["km"])
     want = ladder._metadata_reference(work)
     assert np.array_equal(ladder._tables((out_t, in_t)), want)

@@ -13,7 +13,8 @@ import numba_sc as ns
 from numba_sc.core import conventions as cv
 from numba_sc.map import grid_map
 from numba_sc.map import hash_map
-from numba_sc.core.backend import as_array, to_device, to_host
+from numba_sc.core.backend import to_device, to_host
+from numba_sc.core.pieces import as_array
 
 METHODS = ("hash", "grid")
 

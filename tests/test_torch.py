@@ -7,7 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import numba_sc as ns  # noqa: E402
-from numba_sc.core.backend import gpu_present, simulating, to_host  # noqa: E402
+from numba_sc.core.device import gpu_present, simulating  # noqa: E402
+from numba_sc.core.backend import to_host
 from numba_sc.train.conv_gradient import sparse_conv3d_backward  # noqa: E402
 from numba_sc.nn.torch_adapter import SparseConv, sparse_conv, to_array, to_tensor  # noqa: E402
 

@@ -6,7 +6,7 @@ check the pieces by hand, with the worked example of the module docstring.
 import numpy as np
 import pytest
 
-from numba_sc.core.backend import simulating
+from numba_sc.core.device import simulating
 from numba_sc.core.words import lane_codec, lanes, pack_reference, row_words, unpack_reference, word_view
 
 

@@ -31,7 +31,9 @@ import numpy as np
 from numba import cuda
 
 from ..core import conventions as cv
-from ..core.backend import device_xp, filled, launch, like, resolve_backend, to_device, to_host
+from ..core.device import device_xp
+from ..core.backend import filled, like, resolve_backend, to_device, to_host
+from ..core.launch import launch
 from ..map.sorting import sort_unique_cuda, sort_unique_keys_cuda, sort_unique_reference
 from .voxelization import unpack_kernel
 

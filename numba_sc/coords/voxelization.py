@@ -42,7 +42,9 @@ import numpy as np
 from numba import cuda
 
 from ..core import conventions as cv
-from ..core.backend import device_xp, is_cupy, launch, like, resolve_backend, to_device
+from ..core.device import device_xp, is_cupy
+from ..core.backend import like, resolve_backend, to_device
+from ..core.launch import launch
 from ..map.sorting import sort_unique_cuda, sort_unique_reference
 
 REDUCTIONS = ("mean", "sum", "max")

@@ -57,7 +57,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from .backend import launch, simulating
+from .device import array_module, is_cupy, simulating
+from .launch import launch
 
 # ---------------------------------------------------------------- key layout
 COORD_BITS = 18
@@ -83,8 +84,9 @@ def mask_words(K: int) -> int:
 
 
 METADATA_THREADS = 128  # threads per metadata block on the GPU: chunks of 1024 outputs
-# Under the simulator every CUDA thread is a Python thread: 16 threads (chunks of 128)
-# keep the tests fast and put chunk boundaries inside clouds of a few hundred points.
+# Under the simulator every CUDA thread is a Python thread: 16 threads a block (for the
+# metadata, chunks of 128) keep the tests fast and put chunk boundaries inside clouds of
+# a few hundred points. The forward search uses it too.
 SIMULATOR_THREADS = 16
 # Tried on the H100: 32 outputs per thread (fewer blocks, so fewer of the one-thread
 # scans) made the tables kernel 2.3x slower on 1M points (330 -> 753 us): a warp's
@@ -103,10 +105,6 @@ def chunk_size(threads: int | None = None) -> int:
 
 
 # ------------------------------------------------------------ argument checks
-def _is_cupy(a) -> bool:
-    return type(a).__module__.split(".")[0] == "cupy"
-
-
 def as_int_tuple(value, name: str, *, minimum: int = 1) -> tuple[int, int, int]:
     """``3`` -> ``(3, 3, 3)``; ``(1, 3, 1)`` stays; anything else raises."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
@@ -132,10 +130,10 @@ def validate_coords(coords, name: str = "coords", check_range: bool = True) -> n
     whose range the pack kernel checks anyway (per-axis min/max reductions on the
     GPU cost milliseconds).
     """
-    if (not check_range and _is_cupy(coords) and coords.dtype == np.int32 and coords.ndim == 2
+    if (not check_range and is_cupy(coords) and coords.dtype == np.int32 and coords.ndim == 2
             and coords.shape[1] in (3, 4) and coords.shape[0] > 0):
         return coords  # what every stage hands over on the GPU: nothing to check or convert
-    xp = _xp_of(coords)
+    xp = array_module(coords)
     if not hasattr(coords, "dtype") or not hasattr(coords, "shape"):
         raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(coords).__name__}")
     if coords.ndim != 2 or coords.shape[1] not in (3, 4):
@@ -152,7 +150,7 @@ def validate_coords(coords, name: str = "coords", check_range: bool = True) -> n
         return coords.astype(xp.int32, copy=False)
     lo = xp.min(coords, axis=0)
     hi = xp.max(coords, axis=0)
-    lo, hi = (np.asarray(lo.get() if _is_cupy(lo) else lo), np.asarray(hi.get() if _is_cupy(hi) else hi))
+    lo, hi = (np.asarray(lo.get() if is_cupy(lo) else lo), np.asarray(hi.get() if is_cupy(hi) else hi))
     if coords.shape[1] == 4 and (lo[0] < 0 or hi[0] > BATCH_MAX):
         raise ValueError(
             f"{name}: batch indices (column 0) must lie in 0..{BATCH_MAX}, got {lo[0]}..{hi[0]}")
@@ -163,14 +161,6 @@ def validate_coords(coords, name: str = "coords", check_range: bool = True) -> n
             f"64-bit keys, got {lo[s:].min()}..{hi[s:].max()}; use a larger voxel size or "
             "re-centre the cloud")
     return coords.astype(xp.int32, copy=False)
-
-
-def _xp_of(a):
-    if _is_cupy(a):
-        import cupy
-
-        return cupy
-    return np
 
 
 # ------------------------------------------------------------------- packing
@@ -198,7 +188,7 @@ def pack_keys(coords, reach_lo=(0, 0, 0), reach_hi=(0, 0, 0), name="coords"):
     Raises if a coordinate, moved by any kernel offset in ``[reach_lo, reach_hi]``,
     would leave its field.
     """
-    if _is_cupy(coords):
+    if is_cupy(coords):
         return pack_keys_device(coords, reach_lo, reach_hi, name)
     return pack_keys_reference(coords, reach_lo, reach_hi, name)
 
@@ -206,7 +196,7 @@ def pack_keys(coords, reach_lo=(0, 0, 0), reach_hi=(0, 0, 0), name="coords"):
 def pack_keys_reference(coords, reach_lo=(0, 0, 0), reach_hi=(0, 0, 0), name="coords"):
     """NumPy packing: the reference of :func:`pack_kernel` (host arrays)."""
     coords = validate_coords(coords, name)
-    xp = _xp_of(coords)
+    xp = array_module(coords)
     s = coords.shape[1] - 3
     lo = xp.min(coords[:, s:], axis=0)
     hi = xp.max(coords[:, s:], axis=0)
@@ -221,7 +211,7 @@ def pack_keys_reference(coords, reach_lo=(0, 0, 0), reach_hi=(0, 0, 0), name="co
 
 def unpack_keys(keys, with_batch: bool):
     """Inverse of :func:`pack_keys`: int64 keys (N,) -> int32 coordinates."""
-    xp = _xp_of(keys)
+    xp = array_module(keys)
     k = keys.astype(xp.int64, copy=False)
     cols = [((k >> SHIFT_X) & FIELD_MASK) - COORD_BIAS,
             ((k >> SHIFT_Y) & FIELD_MASK) - COORD_BIAS,
@@ -352,7 +342,8 @@ def pack_keys_device(coords, reach_lo=(0, 0, 0), reach_hi=(0, 0, 0), name="coord
     flagged coordinate the host version re-checks the array to raise the precise
     error (the slow path runs only when the input is bad).
     """
-    from .backend import device_xp, to_device
+    from .device import device_xp
+    from .backend import to_device
 
     coords = validate_coords(coords, name, check_range=False)  # shape, dtype; range: in the kernel
     xp = device_xp()

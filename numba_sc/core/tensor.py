@@ -32,14 +32,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import conventions as cv
+from .device import array_module
 from .backend import like, to_host
 
 FEATURE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
-
-
-def array_module(a):
-    """NumPy or CuPy, whichever ``a`` belongs to."""
-    return cv._xp_of(a)
 
 
 class CoordinateMaps:
@@ -147,7 +143,7 @@ class SparseTensor:
         self._maps = None
 
     @classmethod
-    def _trusted(cls, coords, features, stride, kernel_map, maps=None):
+    def from_layer(cls, coords, features, stride, kernel_map, maps=None):
         """A tensor from already sorted, unique coordinates (a layer's output): no
         validation, no sort. ``kernel_map`` may be a callable that makes the map on
         first use (a transposed layer's map, which it does not need itself);
@@ -162,12 +158,12 @@ class SparseTensor:
     def with_features(self, features):
         """The same coordinates (and maps) with other features: what a layer that keeps
         the coordinates returns (BatchNorm, ReLU, a residual add, a concatenation)."""
-        return SparseTensor._trusted(self.coords, features, self.stride, self._kernel_map, self.maps)
+        return SparseTensor.from_layer(self.coords, features, self.stride, self._kernel_map, self.maps)
 
     def without_maps(self):
         """The same coordinates and features with no maps: what a new cloud is (layers
         build their maps again). For timing a network as it meets a new scan."""
-        return SparseTensor._trusted(self.coords, self.features, self.stride, None)
+        return SparseTensor.from_layer(self.coords, self.features, self.stride, None)
 
     @property
     def kernel_map(self):

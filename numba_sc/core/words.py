@@ -44,7 +44,8 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int16, int32, int64, uint64
 
-from .backend import piece, piece_template, simulating
+from .device import simulating
+from .pieces import piece, piece_template
 
 
 def word_view(itemsize: int, tile: int):
@@ -73,7 +74,7 @@ def row_words(itemsize: int, tile: int, channels: int):
 def as_words(a, rows: int, per_row: int, word):
     """The bytes of the C-contiguous device array ``a`` as ``(rows, per_row)`` words of
     type ``word``: what the gather and the scatter hand their kernels (a
-    :class:`numba_sc.core.backend.Piece`, no library call; a NumPy view under the
+    :class:`numba_sc.core.pieces.Piece`, no library call; a NumPy view under the
     simulator). ``rows * per_row`` words must be ``a``'s bytes: the callers
     take both numbers from ``a``'s own shape (:func:`row_words`)."""
     if simulating():

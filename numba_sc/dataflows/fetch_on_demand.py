@@ -146,7 +146,9 @@ from functools import cache  # (lru_cache without a bound)
 import numpy as np
 from numba import cuda, float32, int32
 
-from ..core.backend import device_xp, filled, launch, simulating, to_device, to_host
+from ..core.device import device_xp, simulating
+from ..core.backend import filled, to_device, to_host
+from ..core.launch import launch
 from ..core.tensor import FEATURE_DTYPES
 
 FLOAT_DTYPES = FEATURE_DTYPES  # the feature dtypes, defined once (numba_sc.core.tensor)

@@ -141,7 +141,9 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, float32, int32, int64
 
-from ..core.backend import device_xp, launch, simulating, to_device, to_host
+from ..core.device import device_xp, simulating
+from ..core.backend import to_device, to_host
+from ..core.launch import launch
 from ..core.conventions import MASK_BITS, mask_words
 from ..core.tensor import FEATURE_DTYPES
 

@@ -38,7 +38,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..core.backend import device_xp
+from ..core.device import device_xp
 from .gather import divisors, gather_cuda
 from .scatter import scatter_cuda
 
@@ -69,6 +69,11 @@ def layer_key(layer, c_in, c_out, kernel_volume, dtype, transposed):
 def cached(key):
     """The cached :class:`TileChoice` for ``key``, or None."""
     return _CACHE.get(key)
+
+
+def remember(key, choice):
+    """Cache ``choice`` (a :class:`TileChoice`) under ``key`` (:func:`layer_key`)."""
+    _CACHE[key] = choice
 
 
 def clear_cache():

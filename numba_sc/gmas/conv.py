@@ -57,11 +57,11 @@ import numpy as np
 
 from ..dataflows import choice as ch
 from . import gemm_grouping as gg
-from .autotune import _CACHE, TileChoice, cached, gpu_time_once, heuristic_tile, layer_key, search_tiles
-from ..core.conventions import _xp_of
-from ..core.backend import device_xp, like, resolve_backend, simulating, to_device, to_host
+from .autotune import TileChoice, cached, gpu_time_once, heuristic_tile, layer_key, remember, search_tiles
+from ..core.device import array_module, device_xp, simulating
+from ..core.backend import like, resolve_backend, to_device, to_host
 from .gather import check_tile, gather_cuda, gather_reference
-from ..map.kernel_map import _layer as _layer_args, build_kernel_map
+from ..map.kernel_map import build_kernel_map, layer_arguments
 from .metadata import build_plan, centre_offset, submanifold_centre
 from ..dataflows.fetch_on_demand import fetch_on_demand_cuda, fetch_on_demand_reference, fetch_plan
 from ..dataflows.implicit_gemm import implicit_gemm_cuda, implicit_gemm_reference, implicit_plan
@@ -73,7 +73,7 @@ __all__ = ["SparseTensor", "sparse_conv3d", "autotune", "gmas", "resolve_tiles",
 
 
 # ------------------------------------------------------------- argument checks
-def _check_weight(weight, K, c_in, dtype, kernel_size, layer=None):
+def check_weight(weight, K, c_in, dtype, kernel_size, layer=None):
     where = _where(layer)
     if not hasattr(weight, "shape") or not hasattr(weight, "dtype"):
         raise TypeError(f"{where}weight must be a NumPy or CuPy array, got {type(weight).__name__}")
@@ -94,7 +94,7 @@ def _where(layer):
     return "" if layer is None else f"layer {layer!r}: "
 
 
-def _check_map_fits(x, kernel_map, transposed, layer=None):
+def check_map_fits(x, kernel_map, transposed, layer=None):
     """``kernel_map`` must have been built on ``x``'s coordinates (on its output side for a
     transposed layer): same count, same tensor stride, same coordinates. The last
     costs nothing for the arrays layers hand on (the map holds the very array),
@@ -148,7 +148,7 @@ def resolve_tiles(tile_size, c_in, c_out, n_in, n_out, dtype, K, transposed, lay
 
 
 # ------------------------------------------------------------------ assembly
-def _prepare_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map, backend,
+def prepare_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map, backend,
                    sort=True, max_padding=gg.DEFAULT_MAX_PADDING, solo_rows=gg.DEFAULT_SOLO_ROWS,
                    launch_rows=None):
     """Checks, the Map step (unless a map is given) and the metadata.
@@ -159,13 +159,13 @@ def _prepare_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_
     the number of output rows.
     """
     f, w, km = _map_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map, backend)
-    lr = _launch_rows(launch_rows, w)
+    lr = launch_rows_for(launch_rows, w)
     if transposed:
-        return f, w, km, _layer_plan(km, sort, max_padding, solo_rows, launch_rows, lr, backend).transposed()
+        return f, w, km, layer_plan(km, sort, max_padding, solo_rows, launch_rows, lr, backend).transposed()
     return f, w, km, build_plan(km, sort, max_padding, solo_rows, backend=backend, launch_rows=lr)
 
 
-def _layer_plan(km, sort, max_padding, solo_rows, launch_rows, priced_rows, backend):
+def layer_plan(km, sort, max_padding, solo_rows, launch_rows, priced_rows, backend):
     """The metadata of a map under this policy, built once and kept on the map.
 
     A plan depends on the map and the grouping policy only (not on features,
@@ -188,13 +188,13 @@ def _layer_plan(km, sort, max_padding, solo_rows, launch_rows, priced_rows, back
         return kept[1]
     plan = build_plan(km, sort, max_padding, solo_rows, backend=backend, launch_rows=priced_rows)
     try:
-        km._plan = (key, plan)
+        km.kept_plan = (key, plan)
     except AttributeError:  # a map-like object that takes no new attribute: no reuse
         pass
     return plan
 
 
-def _launch_rows(launch_rows, w):
+def launch_rows_for(launch_rows, w):
     """The ``launch_rows`` argument: None prices a GEMM launch by the layer's channels."""
     if launch_rows is None:
         return gg.launch_rows(w.shape[1], w.shape[2], w.itemsize)
@@ -206,7 +206,7 @@ def _launch_rows(launch_rows, w):
 
 def _map_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map, backend,
                while_reading=None, layer=None):
-    """:func:`_prepare_layer` up to the metadata: ``(features, weight, km)``.
+    """:func:`prepare_layer` up to the metadata: ``(features, weight, km)``.
 
     ``km`` is the map the layer reads: its own or the one given; for a
     transposed layer, the strided map it inverts (read backwards by the plan;
@@ -225,13 +225,13 @@ def _map_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map,
                 f"{_where(layer)}transposed=True needs kernel_map=: the map of the strided layer it "
                 "inverts, e.g. y = sparse_conv3d(x, w, stride=2); "
                 "sparse_conv3d(y, w2, transposed=True, kernel_map=y.kernel_map)")
-        _check_map_fits(x, kernel_map, True, layer)
+        check_map_fits(x, kernel_map, True, layer)
         km = kernel_map
     elif kernel_map is None:
         # The weight is checked before the Map step, so that work queued during
         # the step's read (while_reading) only ever sees a weight of the right shape.
-        ks, *_, offsets, _ = _layer_args(kernel_size, stride, dilation, x.stride)
-        _check_weight(weight, len(offsets), x.channels, x.features.dtype, ks, layer)
+        ks, *_, offsets, _ = layer_arguments(kernel_size, stride, dilation, x.stride)
+        check_weight(weight, len(offsets), x.channels, x.features.dtype, ks, layer)
         f, w = move(x.features), move(weight)
         hook = None if while_reading is None else (lambda m: while_reading(m, f, w))
         # x.coords are sorted and unique, so km.in_coords == x.coords and
@@ -240,9 +240,9 @@ def _map_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map,
                               backend=backend, assume_sorted=True, masks=True, while_reading=hook)
         return f, w, km
     else:
-        _check_map_fits(x, kernel_map, False, layer)
+        check_map_fits(x, kernel_map, False, layer)
         km = kernel_map
-    _check_weight(weight, len(km.offsets), x.channels, x.features.dtype, km.kernel_size, layer)
+    check_weight(weight, len(km.offsets), x.channels, x.features.dtype, km.kernel_size, layer)
     return move(x.features), move(weight), km
 
 
@@ -289,22 +289,22 @@ def _weight_order_table(km, transposed):
     made once and kept on the map."""
     if not transposed:
         return km.table, km.host_counts()
-    t = km._plans.get("transposed table")
+    t = km.kept_plans.get("transposed table")
     if t is None:
-        xp = _xp_of(km.table)
-        t = km._plans["transposed table"] = xp.ascontiguousarray(km.transposed().table[::-1])
+        xp = array_module(km.table)
+        t = km.kept_plans["transposed table"] = xp.ascontiguousarray(km.transposed().table[::-1])
     return t, km.host_counts()
 
 
 def _dataflow_plan(km, flow, transposed, skip, table, counts):
     """The fetch or implicit plan of a map (pairs grouped by offset / outputs sorted by
-    mask), built once per map and kept on it, like the gmas plan (:func:`_layer_plan`):
+    mask), built once per map and kept on it, like the gmas plan (:func:`layer_plan`):
     the layers that share a map share its plans, whichever dataflow each runs."""
     key = (flow, transposed, skip)
-    plan = km._plans.get(key)
+    plan = km.kept_plans.get(key)
     if plan is None:
         plan = fetch_plan(table, counts, skip) if flow == "fetch" else implicit_plan(table, skip=skip)
-        km._plans[key] = plan
+        km.kept_plans[key] = plan
     return plan
 
 
@@ -393,11 +393,11 @@ def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=Fal
     layer, the strided map's :meth:`~numba_sc.KernelMap.transposed`, made when
     first read).
     """
-    return _conv(x, weight, kernel_size, stride, dilation, transposed, kernel_map, backend,
+    return convolve(x, weight, kernel_size, stride, dilation, transposed, kernel_map, backend,
                  tile_size, layer, sort_offsets, max_padding, solo_rows, launch_rows, dataflow=dataflow)
 
 
-def _conv(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False, kernel_map=None,
+def convolve(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False, kernel_map=None,
           backend=None, tile_size=None, layer=None, sort_offsets=True,
           max_padding=gg.DEFAULT_MAX_PADDING, solo_rows=gg.DEFAULT_SOLO_ROWS, launch_rows=None,
           keep_plan=False, keep_buffer=None, dataflow="auto"):
@@ -434,11 +434,11 @@ def _conv(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False, kern
     if flow != "gmas":
         out = _other_dataflow(flow, f, w, km, transposed, init, centre, bk)
         return _result(x, km, out, transposed, strided)
-    lr = _launch_rows(launch_rows, w)
+    lr = launch_rows_for(launch_rows, w)
     if kernel_map is not None or keep_plan or (strided and not transposed):
         # a map reused (so may its plan be), or kept for later layers: a strided
         # map's plan is read backwards by the transposed layer that inverts it
-        plan = _layer_plan(km, sort_offsets, max_padding, solo_rows, launch_rows, lr, bk)
+        plan = layer_plan(km, sort_offsets, max_padding, solo_rows, launch_rows, lr, bk)
     else:
         plan = build_plan(km, sort_offsets, max_padding, solo_rows, backend=bk, launch_rows=lr)
     if transposed:
@@ -453,9 +453,9 @@ def _conv(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False, kern
 def _result(x, km, out, transposed, strided):
     """The layer's output tensor on the map's output side (see :func:`sparse_conv3d`)."""
     if transposed:
-        return SparseTensor._trusted(like(km.in_coords, x.coords), like(out, x.features),
+        return SparseTensor.from_layer(like(km.in_coords, x.coords), like(out, x.features),
                                      km.tensor_stride, km.transposed)
-    return SparseTensor._trusted(like(km.out_coords, x.coords), like(out, x.features),
+    return SparseTensor.from_layer(like(km.out_coords, x.coords), like(out, x.features),
                                  km.out_tensor_stride, km, None if strided else x.maps)
 
 
@@ -477,7 +477,7 @@ def autotune(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False,
     """
     bk = resolve_backend(backend)
     tensors = [x] + list(samples or []) if kernel_map is None else [x]
-    prepared = [_prepare_layer(s, weight, kernel_size, stride, dilation, transposed,
+    prepared = [prepare_layer(s, weight, kernel_size, stride, dilation, transposed,
                                kernel_map, bk) for s in tensors]
     feats, w, km, plan = prepared[0]
     c_in, c_out = w.shape[1], w.shape[2]
@@ -494,7 +494,7 @@ def autotune(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False,
         g, s, timings = search_tiles([(f, p) for f, _, _, p in prepared], c_out, timer, rounds,
                                      warmup)
         choice = TileChoice(g, s, "autotuned", timings)
-    _CACHE[key] = choice
+    remember(key, choice)
     return choice
 
 
@@ -517,7 +517,7 @@ def choose_dataflow(x, weight, kernel_size=3, stride=1, dilation=1, transposed=F
     bk = resolve_backend(backend)
 
     def run(d):
-        return lambda: _conv(x, weight, kernel_size, stride, dilation, transposed, kernel_map, bk,
+        return lambda: convolve(x, weight, kernel_size, stride, dilation, transposed, kernel_map, bk,
                              layer=layer, dataflow=d)
 
     y = run("gmas")()

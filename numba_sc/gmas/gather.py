@@ -72,7 +72,9 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, from_dtype, uint64
 
-from ..core.backend import device_xp, launch, resolve_backend, simulating, to_device
+from ..core.device import device_xp, simulating
+from ..core.backend import resolve_backend, to_device
+from ..core.launch import launch
 from .metadata import as_point_lists
 from ..core.words import as_words, row_words
 

@@ -68,7 +68,8 @@ import numpy as np
 
 from numba import cuda
 
-from ..core.backend import device_xp, launch, simulating
+from ..core.device import device_xp, simulating
+from ..core.launch import launch
 
 DEFAULT_MAX_PADDING = 0.25  # a group may add at most 25 % zero rows to its real rows
 DEFAULT_SOLO_ROWS = 1 << 17  # an offset with this many pairs runs as its own GEMM
@@ -115,7 +116,7 @@ def offset_order(counts, sort=True, skip=None) -> np.ndarray:
     """The order offsets are laid out in: by non-decreasing pair count (stable, so
     ties keep the map's order) when ``sort``, else the map's own order. Offsets
     with no pair, and ``skip`` (the submanifold centre), are left out."""
-    return np.array(_order(_ints(counts), sort, skip), dtype=np.int64)
+    return np.array(offset_order_list(_ints(counts), sort, skip), dtype=np.int64)
 
 
 def _ints(values) -> list:
@@ -124,7 +125,7 @@ def _ints(values) -> list:
     return values if type(values) is list else np.asarray(values, dtype=np.int64).tolist()
 
 
-def _order(c: list, sort: bool, skip) -> list:
+def offset_order_list(c: list, sort: bool, skip) -> list:
     """:func:`offset_order` on a list of ints, as a list."""
     ks = [k for k, n in enumerate(c) if n > 0 and k != skip]
     if sort:
@@ -326,7 +327,7 @@ def _product(features, w_ptr, c_out):
 _ORDER_CACHE = {}
 
 
-def _device_order(groups, xp):
+def device_order(groups, xp):
     """The offsets of ``groups``, in buffer order, as an array of ``xp`` (CuPy, or NumPy
     under the simulator): copied to the device once per grouping (a layer sees the
     same few groupings call after call; the weight gradient asks too)."""
@@ -393,7 +394,7 @@ def grouped_gemm_cuda(in_buf, weight, groups, out_buf, streams=STREAM_POOL):
     handle = cupy.cuda.device.get_cublas_handle()
     c_in, c_out, item = weight.shape[1], weight.shape[2], weight.itemsize
     t = _CUDA_TYPE[weight.dtype]
-    w_ptr = take_weights_cuda(weight, _device_order(groups, cupy)).data.ptr
+    w_ptr = take_weights_cuda(weight, device_order(groups, cupy)).data.ptr
     a_ptr, c_ptr, w_step = in_buf.data.ptr, out_buf.data.ptr, c_in * c_out
     caller = cupy.cuda.get_current_stream()
     n_streams = max(1, min(int(streams), STREAM_POOL, len(groups)))

@@ -121,9 +121,11 @@ import numpy as np
 from numba import cuda, int32, int64, uint64
 
 from . import gemm_grouping as gg
-from ..core.conventions import (ITEMS_PER_THREAD, MASK_BITS, METADATA_THREADS, SIMULATOR_THREADS,  # noqa: F401
-                          chunk_size, mask_words, metadata_threads)
-from ..core.backend import as_array, device_xp, filled, launch, piece, resolve_backend, simulating, to_device, to_device_async, to_host
+from ..core.conventions import ITEMS_PER_THREAD, MASK_BITS, chunk_size, mask_words, metadata_threads
+from ..core.device import device_xp, simulating
+from ..core.backend import filled, resolve_backend, to_device, to_device_async, to_host
+from ..core.pieces import as_array, piece
+from ..core.launch import launch
 
 
 @dataclass
@@ -323,7 +325,7 @@ def submanifold_centre(kernel_map, counts=None) -> int:
     Remembered on the map (a layer asks twice: to queue the centre product, and
     for the buffer layout).
     """
-    known = getattr(kernel_map, "_centre", None)
+    known = getattr(kernel_map, "known_centre", None)
     if known is not None:
         return known
     c = centre_offset(kernel_map)
@@ -333,7 +335,7 @@ def submanifold_centre(kernel_map, counts=None) -> int:
         if not n_in == n_out == int(counts[c]):
             c = -1
     try:
-        kernel_map._centre = c
+        kernel_map.known_centre = c
     except AttributeError:  # a map-like object that takes no new attribute: ask again next time
         pass
     return c
@@ -375,7 +377,7 @@ def _layout(kernel_map, sort, max_padding, solo_rows, direct_centre, launch_rows
     counts = _host_counts(kernel_map)  # read with the Map step's report: no device read here
     centre = submanifold_centre(kernel_map, counts) if direct_centre else -1
     c = counts.tolist()
-    order = gg._order(c, sort, centre)
+    order = gg.offset_order_list(c, sort, centre)
     groups = gg.make_groups(c, order, max_padding, solo_rows, launch_rows)
     base = [-1] * len(c)
     for g in groups:

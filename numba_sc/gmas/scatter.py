@@ -56,7 +56,9 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, uint64
 
-from ..core.backend import device_xp, launch, resolve_backend, to_device
+from ..core.device import device_xp
+from ..core.backend import resolve_backend, to_device
+from ..core.launch import launch
 from .gather import check_tile
 from .metadata import as_point_lists
 from ..core.words import as_words, lane_codec, lanes, row_words

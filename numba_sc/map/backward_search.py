@@ -44,7 +44,9 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int64
 
-from ..core.backend import device_xp, launch, to_host
+from ..core.device import device_xp
+from ..core.backend import to_host
+from ..core.launch import launch
 from .query_segments import query_key, query_key_reference
 
 # Defaults of B and C, picked by the B x C sweep on an H100 (benchmarks/bench_map.py,

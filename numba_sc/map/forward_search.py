@@ -65,15 +65,16 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, int32, int64, uint64
 
-from ..core.backend import device_xp, filled, launch, simulating
-from ..core.conventions import MASK_BITS, chunk_size
+from ..core.device import device_xp, simulating
+from ..core.backend import filled
+from ..core.launch import launch
+from ..core.conventions import MASK_BITS, SIMULATOR_THREADS, chunk_size
 from .query_segments import query_key, query_key_reference
 
 FORWARD_THREADS = 128  # threads per block on the GPU (the paper's setting)
-# Under the simulator every CUDA thread is a Python thread; fewer threads per block
-# make the tests much faster and make each thread walk the strided loops several
-# times, which is the harder case for correctness.
-SIMULATOR_THREADS = 16
+# Under the simulator fewer threads per block (conventions.SIMULATOR_THREADS) make the
+# tests much faster and make each thread walk the strided loops several times, which
+# is the harder case for correctness.
 
 
 def forward_threads(C: int) -> int:

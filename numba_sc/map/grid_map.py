@@ -37,7 +37,9 @@ import numpy as np
 from numba import cuda, int64
 
 from ..core import conventions as cv
-from ..core.backend import device_xp, filled, launch, to_host
+from ..core.device import device_xp
+from ..core.backend import filled, to_host
+from ..core.launch import launch
 
 MAX_CELLS = 1 << 28  # 1 GiB of int32: beyond that, use method="sorted" or "hash"
 BOX_WORDS = 8  # box: [x0, y0, z0, X, Y, Z, batches, cells]

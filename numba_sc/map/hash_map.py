@@ -49,7 +49,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, uint64
 
-from ..core.backend import filled, launch
+from ..core.backend import filled
+from ..core.launch import launch
 
 EMPTY = -1  # a free slot (packed keys are >= 0)
 MIN_CAPACITY = 64

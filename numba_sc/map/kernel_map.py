@@ -72,8 +72,9 @@ import numpy as np
 
 from ..core import conventions as cv
 from ..core.conventions import chunk_size, mask_words
-from ..core.backend import (as_array, device_xp, filled, is_cupy, like, piece, piece_template, resolve_backend, simulating,
-                      read_later, to_device, to_host)
+from ..core.device import array_module, device_xp, is_cupy, simulating
+from ..core.backend import filled, like, read_later, resolve_backend, to_device, to_host
+from ..core.pieces import as_array, piece, piece_template
 from .backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backward_search_cuda, backward_search_reference, check_block_sizes,
                               max_balanced_blocks, num_source_blocks, split_query_blocks_reference)
 from ..dataflows import choice as ch
@@ -91,7 +92,7 @@ def _lazy_identity(stored, coords, doc):
     def get(self):
         if getattr(self, stored) is None:
             c = getattr(self, coords)
-            setattr(self, stored, cv._xp_of(c).arange(c.shape[0], dtype=np.int64))
+            setattr(self, stored, array_module(c).arange(c.shape[0], dtype=np.int64))
         return getattr(self, stored)
 
     def set(self, value):
@@ -126,7 +127,7 @@ class KernelMap:
     # Device int32 (K, ceil(|Q| / chunk)): pairs per offset and chunk of outputs, counted
     # by the forward search for the metadata stage (None when not known: reference maps,
     # transposed maps). The chunk is numba_sc.gmas.metadata.chunk_size() of the machine. On a
-    # GPU it is a numba_sc.core.backend.Piece (a kernel argument; .get() reads it).
+    # GPU it is a numba_sc.core.pieces.Piece (a kernel argument; .get() reads it).
     chunk_counts: object = field(default=None, repr=False)
     chunk: int = field(default=None, repr=False)  # outputs per chunk of chunk_counts
     # Device int64 (ceil(K / 32), |Q|) and (ceil(K / 32), |P|): bit k % 32 of
@@ -137,12 +138,12 @@ class KernelMap:
     in_masks: object = field(default=None, repr=False)
     # Remembered by the GMaS step, not part of the map's value: the submanifold centre
     # (numba_sc.gmas.metadata.submanifold_centre) and, for a map passed to a layer again,
-    # its latest plan with the policy it was built for (numba_sc.gmas.conv._layer_plan).
-    _centre: int = field(default=None, repr=False, compare=False)
-    _plan: tuple = field(default=None, repr=False, compare=False)
-    # The other dataflows' plans (numba_sc.gmas.conv._dataflow_plan), kept like _plan: keyed by
+    # its latest plan with the policy it was built for (numba_sc.gmas.conv.layer_plan).
+    known_centre: int = field(default=None, repr=False, compare=False)
+    kept_plan: tuple = field(default=None, repr=False, compare=False)
+    # The other dataflows' plans (numba_sc.gmas.conv._dataflow_plan), kept like kept_plan: keyed by
     # (dataflow, transposed, skipped offset); and the transposed layer's table in weight order.
-    _plans: dict = field(default_factory=dict, repr=False, compare=False)
+    kept_plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     # The orders are the identity whenever the coordinates came in sorted, which is
     # always the case inside a network (every stage hands out sorted coordinates).
@@ -165,7 +166,7 @@ class KernelMap:
 
     def pairs(self, k):
         """(input indices, output indices) of the pairs of offset ``k``, both into the sorted arrays."""
-        xp = cv._xp_of(self.table)
+        xp = array_module(self.table)
         out_idx = xp.flatnonzero(self.table[k] >= 0)
         return self.table[k][out_idx].astype(np.int64), out_idx
 
@@ -187,7 +188,7 @@ class KernelMap:
         and a transposed convolution with weight ``W`` uses ``W[K-1-k']`` for row ``k'``.
         Built with one scatter, on the device when the table is there; no sync.
         """
-        xp = cv._xp_of(self.table)
+        xp = array_module(self.table)
         K, Q = self.table.shape
         P = self.in_coords.shape[0]
         t = xp.full(K * P + 1, -1, dtype=np.int32)  # one extra slot that catches all misses
@@ -207,7 +208,7 @@ class KernelMap:
 
 
 # -------------------------------------------------------------- shared steps
-def _layer(kernel_size, stride, dilation, tensor_stride):
+def layer_arguments(kernel_size, stride, dilation, tensor_stride):
     """The layer's arguments as 3-tuples, with its sorted offsets (read-only, shared
     by every map of the layer) and key deltas.
 
@@ -322,7 +323,7 @@ def build_kernel_map_reference(in_coords, kernel_size=3, stride=1, dilation=1, t
     probes of the hash table, the reads of the grid) counted."""
     B, C = check_block_sizes(source_block, query_block)
     method = check_method(method)
-    ks, st, dil, ts, offsets, deltas = _layer(kernel_size, stride, dilation, tensor_stride)
+    ks, st, dil, ts, offsets, deltas = layer_arguments(kernel_size, stride, dilation, tensor_stride)
     in_coords, out_coords = to_host(in_coords), to_host(out_coords)
     _check_columns(in_coords, out_coords)
     submanifold = out_coords is None and st == (1, 1, 1)
@@ -443,7 +444,7 @@ class _Work:
                                              0 unless the caller asked for masks)
 
     ``report`` is a CuPy (or NumPy) array, since the map hands out a view of it
-    (``counts``); the rest are :class:`numba_sc.core.backend.Piece` s, kernel arguments only.
+    (``counts``); the rest are :class:`numba_sc.core.pieces.Piece` s, kernel arguments only.
     """
 
     def __init__(self, K, h, P, Q, B, C, chunk, two_sides, masks):
@@ -567,7 +568,7 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     """
     B, C = check_block_sizes(source_block, query_block)
     method = check_method(method)
-    ks, st, dil, ts, offsets, _ = _layer(kernel_size, stride, dilation, tensor_stride)
+    ks, st, dil, ts, offsets, _ = layer_arguments(kernel_size, stride, dilation, tensor_stride)
     in_coords, out_coords = to_device(in_coords), to_device(out_coords)
     _check_columns(in_coords, out_coords)
     K = len(offsets)
@@ -746,7 +747,7 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
     """
     if method == "auto":
         method = ch.map_method_for(in_coords.shape[0],
-                                   lambda: len(_layer(kernel_size, stride, dilation, tensor_stride)[4]))
+                                   lambda: len(layer_arguments(kernel_size, stride, dilation, tensor_stride)[4]))
     kw = dict(kernel_size=kernel_size, stride=stride, dilation=dilation, tensor_stride=tensor_stride,
               out_coords=out_coords, source_block=source_block, query_block=query_block,
               assume_sorted=assume_sorted, symmetric=symmetric, masks=masks, method=method)
@@ -773,7 +774,7 @@ def choose_map_method(in_coords, kernel_size=3, stride=1, dilation=1, tensor_str
     does not fit. Without a GPU the rule of thumb answers and nothing is
     cached, unless ``timer(fn) -> seconds`` is given.
     """
-    K = len(_layer(kernel_size, stride, dilation, tensor_stride)[4])
+    K = len(layer_arguments(kernel_size, stride, dilation, tensor_stride)[4])
     n = in_coords.shape[0]
     if timer is None and not simulating() and resolve_backend(None) == "cuda":
         timer = ch.wall_timer

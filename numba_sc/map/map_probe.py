@@ -52,7 +52,8 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, int32, int64
 
-from ..core.backend import launch, simulating
+from ..core.device import simulating
+from ..core.launch import launch
 from ..core.conventions import MASK_BITS
 from .forward_search import mirror_reference, no_masks
 

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
-from ..core.backend import device_xp, launch
+from ..core.device import device_xp
+from ..core.launch import launch
 
 
 @dataclass

@@ -59,10 +59,11 @@ import numpy as np
 from ..core import conventions as cv
 from ..gmas import gemm_grouping as gg
 from . import pointwise as pw
-from ..train.tape import Tape, add_param_grad, current_tape  # noqa: F401  (Tape: nn.Tape, for users)
+from ..train.tape import add_param_grad, current_tape
+from ..core.device import array_module
 from ..core.backend import like, resolve_backend, to_device, to_host
 from ..train.conv_gradient import sparse_conv3d_backward
-from ..gmas.conv import _conv
+from ..gmas.conv import convolve
 from ..core.tensor import CoordinateMaps, SparseTensor, map_key, same_coordinates
 
 _BACKEND = contextvars.ContextVar("numba_sc_nn_backend", default=None)
@@ -170,7 +171,7 @@ class Module:
                     + ("; a spconv checkpoint? convert it with numba_sc.nn.spconv_format."
                        "state_dict_from_spconv(model, state)" if np.ndim(new) == 5 else ""))
             value = like(new, old).astype(old.dtype, copy=True)
-            if np.issubdtype(value.dtype, np.floating) and not bool(_xp(value).isfinite(value).all()):
+            if np.issubdtype(value.dtype, np.floating) and not bool(array_module(value).isfinite(value).all()):
                 raise ValueError(f"{k}: the checkpoint holds NaN or infinite values")
             setattr(m, p, value)
         return self
@@ -242,10 +243,6 @@ class Module:
         return ""
 
 
-def _xp(a):
-    return cv._xp_of(a)
-
-
 def _check_input(layer, x, in_channels):
     if not isinstance(x, SparseTensor):
         raise TypeError(f"layer {layer.name!r} ({layer!r}): x must be a numba_sc.SparseTensor, "
@@ -310,7 +307,7 @@ class ConvLayer(Module):
         _check_input(self, x, self.in_channels)
         _check_dtype(self, x, self.weight)
         kept = [] if current_tape() is not None else None
-        y = _conv(x, self.weight, backend=current_backend(), layer=self.name, keep_plan=True,
+        y = convolve(x, self.weight, backend=current_backend(), layer=self.name, keep_plan=True,
                   keep_buffer=kept, **kw)
         return y, (kept or [None])[0]
 
@@ -358,7 +355,7 @@ def pointwise_backward(features, matrix, g, backend):
         f, m, g = to_host(features), to_host(matrix), to_host(g)
         return gg.matmul(g, np.ascontiguousarray(m.T)), (f.T.astype(np.float32) @ g.astype(np.float32)).astype(f.dtype)
     f, m, g = to_device(features), to_device(matrix), to_device(g)
-    xp = cv._xp_of(f)
+    xp = array_module(f)
     dm = xp.empty((1,) + tuple(m.shape), dtype=f.dtype)  # features.T @ g read in place, as the weight gradient's
     return gg.matmul_cuda(g, xp.ascontiguousarray(m.T)), gg.transposed_products_cuda(f, g, 0, f.shape[0], 1, dm)[0]
 
@@ -687,5 +684,5 @@ def cat(a, b, backend=None):
     if tape is not None:
         ca = a.channels  # the gradient splits as the channels were joined (copies: kernels want rows)
         tape.record(y.features, [a.features, b.features],
-                    lambda g, P: [cv._xp_of(g).ascontiguousarray(g[:, :ca]), cv._xp_of(g).ascontiguousarray(g[:, ca:])])
+                    lambda g, P: [array_module(g).ascontiguousarray(g[:, :ca]), array_module(g).ascontiguousarray(g[:, ca:])])
     return y

@@ -55,7 +55,9 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, uint64
 
-from ..core.backend import device_xp, launch, resolve_backend, to_device, to_host
+from ..core.device import device_xp
+from ..core.backend import resolve_backend, to_device, to_host
+from ..core.launch import launch
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 

@@ -15,7 +15,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..core.backend import gpu_present, to_host
+from ..core.device import gpu_present
+from ..core.backend import to_host
 
 
 @dataclass

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from ..core.backend import gpu_present, simulating
+from ..core.device import gpu_present, simulating
 from .check import crop_points, default_stages, make_context
 
 

@@ -42,7 +42,8 @@ from ..nn import pointwise as pw
 from ..gmas import scatter as sc
 from ..coords import voxelization as vx
 from ..gmas.autotune import gpu_time_once, heuristic_tile
-from ..core.backend import device_xp, gpu_present, simulating, to_device, to_host
+from ..core.device import device_name, device_xp, gpu_present, simulating
+from ..core.backend import to_device, to_host
 
 
 @dataclass
@@ -100,9 +101,9 @@ def _search_work(coords, B=512, C=1024):
     from ..core import conventions as cv
     from ..map.backward_search import backward_search_cuda, max_balanced_blocks
     from ..map.forward_search import forward_threads
-    from ..map.kernel_map import _layer
+    from ..map.kernel_map import layer_arguments
 
-    offsets, deltas = _layer(3, 1, 1, 1)[4:]
+    offsets, deltas = layer_arguments(3, 1, 1, 1)[4:]
     K, P = len(offsets), len(coords)
     reach = tuple(int(v) for v in offsets.min(axis=0)), tuple(int(v) for v in offsets.max(axis=0))
     keys = to_device(cv.pack_keys(np.asarray(coords), *reach))  # sorted: coords are
@@ -128,7 +129,8 @@ def _search_rung(rung, w):
     :func:`~numba_sc.gmas.metadata.masks_cuda`: three more passes over it), so that every
     rung is timed for the same result.
     """
-    from ..core.backend import filled, launch
+    from ..core.backend import filled
+    from ..core.launch import launch
     from ..map.forward_search import forward_search_cuda, forward_search_v1, forward_search_v2, forward_search_v3
     from ..gmas.metadata import chunk_counts_cuda, masks_cuda
 
@@ -473,16 +475,9 @@ def run_ladder(stages, coords, channels=64, dtypes=("float32", "float16"), round
                 prev = rung
     if out:
         rec = {"points": int(len(coords)), "channels": channels, "rounds": rounds, "rows": rows,
-               "recorded": {"device": _device_name(), "date": time.strftime("%Y-%m-%d"),
+               "recorded": {"device": device_name(), "date": time.strftime("%Y-%m-%d"),
                             "command": "python -m numba_sc " + " ".join(sys.argv[1:]), "code": note}}
         with open(out, "w") as f:
             json.dump(rec, f, indent=1)
     return rows
 
-
-def _device_name():
-    if simulating() or not gpu_present():
-        return "CUDA simulator (CPU)"
-    import cupy
-
-    return cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()

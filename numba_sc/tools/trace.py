@@ -36,10 +36,11 @@ import numpy as np
 
 from ..core import conventions as cv
 from ..gmas import gemm_grouping as gg
-from ..core.backend import device_xp, resolve_backend, to_host
+from ..core.device import device_xp
+from ..core.backend import resolve_backend, to_host
 from ..map.backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backward_search_cuda, backward_search_reference,
                               max_balanced_blocks, split_query_blocks_reference)
-from ..gmas.conv import SparseTensor, _prepare_layer
+from ..gmas.conv import SparseTensor, prepare_layer
 from ..gmas.gather import gather_cuda, gather_reference
 from ..gmas.scatter import scatter_cuda, scatter_reference
 
@@ -99,7 +100,7 @@ def trace(coords, features, weight, kernel_size=3, stride=1, dilation=1, backend
 
     km = build_kernel_map(x.coords, kernel_size, stride, dilation, tensor_stride=x.stride,
                           backend=bk, source_block=source_block, query_block=query_block, masks=True)
-    f, w, km, plan = _prepare_layer(x, weight, kernel_size, stride, dilation, False, km, bk)
+    f, w, km, plan = prepare_layer(x, weight, kernel_size, stride, dilation, False, km, bk)
     t = Trace()
     t["P"], t["Q"], t["offsets"] = to_host(km.in_coords), to_host(km.out_coords), np.asarray(km.offsets)
 

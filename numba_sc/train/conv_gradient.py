@@ -65,8 +65,9 @@ import numpy as np
 
 from ..gmas import gemm_grouping as gg
 from ..gmas.autotune import heuristic_tile
-from ..core.backend import device_xp, like, resolve_backend, to_device, to_host
-from ..gmas.conv import _check_map_fits, _check_weight, _launch_rows, _layer_plan, gmas, resolve_tiles
+from ..core.device import device_xp
+from ..core.backend import like, resolve_backend, to_device, to_host
+from ..gmas.conv import check_map_fits, check_weight, launch_rows_for, layer_plan, gmas, resolve_tiles
 from ..gmas.gather import gather_cuda
 from ..core.tensor import SparseTensor
 
@@ -102,8 +103,8 @@ def sparse_conv3d_backward_reference(features, weight, grad_out, kernel_map, tra
 # ---------------------------------------------------------------- the kernels
 def _forward_plan(kernel_map, weight, transposed, backend):
     """The plan the forward call used: kept on the map (built once, here if not yet)."""
-    plan = _layer_plan(kernel_map, True, gg.DEFAULT_MAX_PADDING, gg.DEFAULT_SOLO_ROWS, None,
-                       _launch_rows(None, weight), backend)
+    plan = layer_plan(kernel_map, True, gg.DEFAULT_MAX_PADDING, gg.DEFAULT_SOLO_ROWS, None,
+                       launch_rows_for(None, weight), backend)
     return plan.transposed() if transposed else plan
 
 
@@ -129,7 +130,7 @@ def weight_grad_cuda(features, grad_out, plan, K, input_buffer=None):
         for grp in plan.groups:
             gg.transposed_products_cuda(xbuf, gbuf, grp.start, grp.rows, len(grp.members), stack, pos)
             pos += len(grp.members)
-        dw[gg._device_order(plan.groups, xp)] = stack
+        dw[gg.device_order(plan.groups, xp)] = stack
     return dw
 
 
@@ -161,8 +162,8 @@ def sparse_conv3d_backward(x, weight, grad_out, kernel_map, transposed=False, ba
     """
     if not isinstance(x, SparseTensor):
         raise TypeError(f"x must be a numba_sc.SparseTensor (the layer's input), got {type(x).__name__}")
-    _check_map_fits(x, kernel_map, transposed)
-    _check_weight(weight, len(kernel_map.offsets), x.channels, x.features.dtype, kernel_map.kernel_size)
+    check_map_fits(x, kernel_map, transposed)
+    check_weight(weight, len(kernel_map.offsets), x.channels, x.features.dtype, kernel_map.kernel_size)
     n_out = len(kernel_map.in_coords if transposed else kernel_map.out_coords)
     c_out = weight.shape[2]
     if not hasattr(grad_out, "shape") or tuple(grad_out.shape) != (n_out, c_out):

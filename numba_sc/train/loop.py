@@ -28,7 +28,8 @@ import numpy as np
 
 from . import labels as lb
 from .tape import Tape
-from ..core.backend import gpu_present, resolve_backend, simulating, to_device, to_host
+from ..core.device import gpu_present, simulating
+from ..core.backend import resolve_backend, to_device, to_host
 from .loss import cross_entropy
 from ..core.tensor import SparseTensor
 from ..coords.voxelization import voxelize

@@ -56,7 +56,9 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from ..core.backend import device_xp, launch, like, resolve_backend, to_device, to_host
+from ..core.device import device_xp
+from ..core.backend import like, resolve_backend, to_device, to_host
+from ..core.launch import launch
 
 IGNORE_INDEX = 255
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))

@@ -64,18 +64,10 @@ import math
 
 import numpy as np
 
-from ..core.backend import is_cupy, to_host
+from ..core.device import array_module, is_cupy
+from ..core.backend import to_host
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-
-
-def _xp(a):
-    """The array library of ``a``: CuPy for a CuPy array, else NumPy."""
-    if is_cupy(a):
-        import cupy
-
-        return cupy
-    return np
 
 
 def _state_dtype(dtype):
@@ -181,9 +173,9 @@ class Optimizer:
                 kinds = ("CuPy", "NumPy") if is_cupy(g) else ("NumPy", "CuPy")
                 raise TypeError(f"gradient of {name!r} is a {kinds[0]} array but the parameter a {kinds[1]} "
                                 "one: put both on the same side")
-            finite.append(_xp(p).isfinite(g).all())
+            finite.append(array_module(p).isfinite(g).all())
         # One read to the host for all the parameters (on a GPU, one synchronization).
-        xp = _xp(next(iter(self.params.values())))
+        xp = array_module(next(iter(self.params.values())))
         ok = to_host(xp.stack(finite)) if xp is not np else np.array(finite)
         if not ok.all():
             bad = [n for n, f in zip(self.params, ok) if not f]
@@ -198,7 +190,7 @@ class Optimizer:
             return p
         state = self.state[name]
         master = state.get("master")
-        xp = _xp(p)
+        xp = array_module(p)
         if master is None or not bool(xp.array_equal(master.astype(p.dtype), p)):
             master = state["master"] = p.astype(_state_dtype(p.dtype))
         return master
@@ -231,7 +223,7 @@ class Optimizer:
         new = {}
         for name, saved in state_dict["state"].items():
             p = self.params[name]
-            xp = _xp(p)
+            xp = array_module(p)
             new[name] = {}
             for k, v in saved.items():
                 if k == "step":
@@ -320,7 +312,7 @@ class AdamW(Optimizer):
     def _update(self, w, g, state):
         beta1, beta2 = self.betas
         t = state["step"]
-        xp = _xp(w)
+        xp = array_module(w)
         if "exp_avg" not in state:
             state["exp_avg"], state["exp_avg_sq"] = xp.zeros_like(w), xp.zeros_like(w)
         m, v = state["exp_avg"], state["exp_avg_sq"]

@@ -1,0 +1,81 @@
+"""Which device runs the kernels: a GPU, Numba's CUDA simulator, or none.
+
+Asked by every stage before it picks its arrays and its backend
+(:mod:`numba_sc.core.backend`). Under the simulator (``NUMBA_ENABLE_CUDASIM=1``
+set *before numba is imported*) the device side's arrays are NumPy arrays, on a
+GPU they are CuPy arrays.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import config, cuda
+
+try:  # numba-cuda keeps its own config (newer releases); older ones share numba's
+    from numba.cuda.core import config as numba_cuda_config
+except ImportError:  # pragma: no cover
+    numba_cuda_config = config
+
+
+def simulating() -> bool:
+    """True when Numba's CUDA simulator is active (NUMBA_ENABLE_CUDASIM=1).
+
+    numba-cuda reads the variable into its own config when ``numba.cuda`` is first
+    imported; numba's core config may have read it earlier (a pytest plugin can
+    import numba before conftest runs), so ask numba-cuda first.
+    """
+    return bool(numba_cuda_config.ENABLE_CUDASIM)
+
+
+_GPU_PRESENT = None
+
+
+def gpu_present() -> bool:
+    """True when a real CUDA device can run kernels (the simulator does not count).
+
+    Asked once per process: every layer resolves its backend, and asking the
+    driver each time costs host time on the hot path.
+    """
+    global _GPU_PRESENT
+    if simulating():
+        return False
+    if _GPU_PRESENT is None:
+        try:
+            _GPU_PRESENT = bool(cuda.is_available())
+        except Exception:  # a broken driver is as good as no GPU
+            _GPU_PRESENT = False
+    return _GPU_PRESENT
+
+
+
+def is_cupy(a) -> bool:
+    """Whether ``a`` is a CuPy array (asked by its type's module: CuPy need not be installed)."""
+    return type(a).__module__.split(".")[0] == "cupy"
+
+
+def array_module(a):
+    """The array library that holds ``a``: CuPy for a CuPy array, NumPy for anything else."""
+    if is_cupy(a):
+        import cupy
+
+        return cupy
+    return np
+
+
+def device_xp():
+    """The array library of the device side: CuPy on a GPU, NumPy under the simulator."""
+    if simulating():
+        return np
+    import cupy  # imported lazily: the reference and simulator paths need no CuPy
+
+    return cupy
+
+
+def device_name() -> str:
+    """What runs the kernels, in words, for the records benchmarks and ladders write."""
+    if simulating():
+        return "CUDA simulator (CPU)"
+    if not gpu_present():
+        return "no GPU (NumPy references)"
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
