@@ -50,6 +50,16 @@ def scan(request):
     return request.param, load_scan(request.param), SCANS[request.param][2]
 
 
+@pytest.fixture(scope="module")
+def coords():
+    """Voxel coordinates of a crop of SemanticKITTI (about 260 points): the cloud of the
+    gradient and tape tests, made once per test module."""
+    import numba_sc as ns  # here, not at the top: numba only after the simulator switch
+
+    pts = crop(load_scan("semantickitti"), 260, seed=5)
+    return ns.voxelize(np.ascontiguousarray(pts[:, :3]), 0.05, backend="reference").coords
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(12345)

@@ -6,8 +6,8 @@ three methods run on the full real scans.
 import numpy as np
 import pytest
 from conftest import crop
-from test_kernel_map import (assert_matches_oracle, assert_same_map, oracle_map, oracle_offsets, oracle_outputs,
-                             random_coords, searchsorted_oracle_table)
+from helpers import (assert_matches_oracle, assert_same_map, oracle_map, oracle_offsets, oracle_outputs,
+                     random_coords, searchsorted_oracle_table)
 
 import numba_sc as ns
 from numba_sc.core import conventions as cv

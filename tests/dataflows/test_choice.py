@@ -1,15 +1,16 @@
 """The three dataflows through sparse_conv3d, and the per-layer choice (``"auto"``).
 
 Kernels run under the simulator on small clouds and are compared with the gmas
-reference (itself checked against a float64 oracle in test_conv.py).
+reference (itself checked against a float64 oracle in gmas/test_conv.py).
 """
 import numpy as np
 import pytest
-from test_kernel_map import random_coords
 
 import numba_sc as ns
 from numba_sc.dataflows import choice as ch
 from numba_sc.gmas import conv
+
+from helpers import random_coords
 
 FLOWS = ("gmas", "fetch", "implicit")
 

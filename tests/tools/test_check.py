@@ -1,34 +1,15 @@
-"""The demo command, the synthetic scene, and the checker (including a broken kernel)."""
+"""The checker (``python -m numba_sc check``): it passes on a real scan, catches and
+locates a broken kernel (voxelization, the Map step), and refuses unknown stages."""
 import numpy as np
 from numba import cuda
 
 import numba_sc.coords.voxelization as voxmod
-from numba_sc.__main__ import main
+import numba_sc.map.kernel_map as kmmod
+from numba_sc.core.backend import to_host
 from numba_sc.tools.check import run_check
 from numba_sc.tools.synthetic import lidar_scene
 
-
-def test_synthetic_scene_is_deterministic_lidar_like():
-    a, ia = lidar_scene(n_azimuth=400)
-    b, ib = lidar_scene(n_azimuth=400)
-    assert np.array_equal(a, b) and np.array_equal(ia, ib)
-    r = np.linalg.norm(a[:, :2], axis=1)
-    assert 20_000 < len(a) <= 64 * 400 and r.max() < 80.5
-    assert (a[:, 2] < 0.05).mean() > 0.3  # most beams hit the ground
-
-
-def test_demo_runs_and_agrees(capsys):
-    assert main(["demo", "--crop", "300"]) == 0
-    out = capsys.readouterr().out
-    assert "1 voxelize" in out and "NO:" not in out and "yes" in out
-
-
-def test_demo_on_a_real_scan(capsys):
-    from conftest import DATA_DIR, load_scan
-
-    load_scan("sunrgbd")  # skips if absent
-    assert main(["demo", "--points", str(DATA_DIR / "sunrgbd_000017.bin"), "--columns", "6",
-                 "--voxel-size", "0.02", "--crop", "300"]) == 0
+from conftest import crop, load_scan
 
 
 def test_check_passes_on_a_real_scan(capsys):
@@ -67,3 +48,22 @@ def test_check_rejects_unknown_stage():
 
     with pytest.raises(ValueError, match="stages are"):
         run_check(np.zeros((5, 3), np.float32), None, 0.1, stage="no-such-stage")
+
+
+def test_check_catches_and_locates_a_broken_map_kernel(monkeypatch):
+    """A forward search that drops one hit is found, and told as coordinates."""
+    real = kmmod.forward_search_cuda
+
+    def broken(*args, **kw):
+        table, report, chunk_counts = real(*args, **kw)
+        hits = np.argwhere(to_host(table) >= 0)
+        k, i = hits[len(hits) // 2]
+        table[k, i] = -1  # the planted bug: one pair lost
+        return table, report, chunk_counts
+
+    monkeypatch.setattr(kmmod, "forward_search_cuda", broken)
+    pts = crop(load_scan("semantickitti"), 400)
+    results = run_check(np.ascontiguousarray(pts[:, :3]), None, 0.05, stage="kernel map", log=lambda *_: None)
+    (name, ok, detail), = results
+    assert not ok
+    assert "offset" in detail and "expected input" in detail and "found no input (-1)" in detail, detail

@@ -1,12 +1,10 @@
 """The Map step: kernels (simulator) == NumPy reference == an independent oracle.
 
-The oracle is written here from the definition alone: ``np.unique`` rows for the
-sorted coordinates, ``itertools.product`` for the offsets, and a Python dict from
-coordinate tuple to sorted index (small clouds) or ``searchsorted`` on keys packed
-by this file's own formula (full scans).
+The oracle is written in helpers.py from the definition alone: ``np.unique`` rows
+for the sorted coordinates, ``itertools.product`` for the offsets, and a Python dict
+from coordinate tuple to sorted index (small clouds) or ``searchsorted`` on keys
+packed by its own formula (full scans).
 """
-import itertools
-
 import numpy as np
 import pytest
 from conftest import crop
@@ -22,83 +20,8 @@ from numba_sc.map.forward_search import forward_search_cuda, forward_search_refe
 from numba_sc.gmas.metadata import chunk_counts_reference, chunk_size
 from numba_sc.map.query_segments import query_segments_reference
 
-
-# ---------------------------------------------------------------- the oracle
-def oracle_offsets(kernel_size, dilation=1, tensor_stride=1):
-    ks, dil, ts = (np.broadcast_to(np.asarray(v), (3,)).tolist() for v in (kernel_size, dilation, tensor_stride))
-    axes = []
-    for k, d, t in zip(ks, dil, ts):
-        first = -((k - 1) // 2) if k % 2 else -(k // 2) + 1
-        axes.append([(first + a) * d * t for a in range(k)])
-    return sorted(itertools.product(*axes))
-
-
-def oracle_outputs(in_coords, stride, tensor_stride):
-    s = in_coords.shape[1] - 3
-    st_ = np.broadcast_to(np.asarray(stride), (3,)) * np.broadcast_to(np.asarray(tensor_stride), (3,))
-    if (np.broadcast_to(np.asarray(stride), (3,)) == 1).all():
-        return np.unique(in_coords, axis=0)
-    q = in_coords.astype(np.int64).copy()
-    q[:, s:] = np.floor(q[:, s:] / st_).astype(np.int64) * st_
-    return np.unique(q, axis=0)
-
-
-def oracle_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1, out_coords=None):
-    """(sorted inputs, sorted outputs, offsets, table) by dictionary look-ups."""
-    s = in_coords.shape[1] - 3
-    ins = np.unique(in_coords, axis=0)
-    outs = oracle_outputs(in_coords, stride, tensor_stride) if out_coords is None else np.unique(out_coords, axis=0)
-    index = {tuple(r): i for i, r in enumerate(ins.tolist())}
-    offs = oracle_offsets(kernel_size, dilation, tensor_stride)
-    table = np.full((len(offs), len(outs)), -1, np.int64)
-    out_rows = outs.tolist()
-    for k, d in enumerate(offs):
-        dd = (0,) * s + tuple(d)
-        for i, r in enumerate(out_rows):
-            table[k, i] = index.get(tuple(a + b for a, b in zip(r, dd)), -1)
-    return ins, outs, np.array(offs), table
-
-
-def searchsorted_oracle_table(ins, outs, offs):
-    """The table for big clouds: this file's own key, x, y, z each shifted by 2^19."""
-    def key(c):
-        c = c.astype(np.int64) + (1 << 19)
-        return (c[:, 0] << 40) | (c[:, 1] << 20) | c[:, 2]
-    src = key(ins)
-    assert np.all(np.diff(src) > 0)
-    table = np.full((len(offs), len(outs)), -1, np.int64)
-    for k, d in enumerate(offs):
-        q = key(outs + np.asarray(d))
-        pos = np.minimum(np.searchsorted(src, q), len(src) - 1)
-        table[k] = np.where(src[pos] == q, pos, -1)
-    return table
-
-
-def assert_matches_oracle(m, caller_coords, oracle):
-    ins, outs, offs, table = oracle
-    assert m.in_coords.dtype == np.int32 and m.out_coords.dtype == np.int32
-    assert m.table.dtype == np.int32 and m.table.shape == (len(offs), len(outs))
-    assert np.array_equal(m.in_coords, ins)
-    assert np.array_equal(m.in_coords, caller_coords[m.in_order])
-    assert np.array_equal(m.out_coords, outs)
-    assert np.array_equal(m.offsets, offs)
-    assert np.array_equal(m.table, table)
-    assert np.array_equal(m.counts, (table >= 0).sum(axis=1))
-
-
-def assert_same_map(a, b):
-    for name in ("in_coords", "out_coords", "in_order", "out_order", "offsets", "table", "counts"):
-        assert np.array_equal(getattr(a, name), getattr(b, name)), name
-    for name in ("kernel_size", "stride", "dilation", "tensor_stride", "out_tensor_stride", "is_transposed"):
-        assert getattr(a, name) == getattr(b, name), name
-
-
-def random_coords(rng, n, span=9, batch=0, multiple=1):
-    c = rng.integers(-span, span, size=(n, 3)) * multiple
-    if batch:
-        c = np.column_stack([rng.integers(0, batch, n), c])
-    c = np.unique(c, axis=0).astype(np.int32)
-    return c[rng.permutation(len(c))]  # the caller's order is arbitrary
+from helpers import (assert_matches_oracle, assert_same_map, oracle_map, oracle_offsets, oracle_outputs,
+                     random_coords, searchsorted_oracle_table)
 
 
 # ------------------------------------------------------------ worked example

@@ -1,6 +1,6 @@
 """numba_sc.core.words: word views and the lane unpacking the scatter uses.
 
-The scatter test in test_conv.py checks the kernel end to end on every tile; these
+The scatter test in gmas/test_gather.py (``test_every_tile_size``) checks the kernel end to end on every tile; these
 check the pieces by hand, with the worked example of the module docstring.
 """
 import numpy as np
