@@ -23,19 +23,12 @@ MaskImplicitGemm, fresh indices so its pairs are rebuilt). Never runs in CI.
 import argparse
 import importlib
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _record import recorded  # noqa: E402
-from bench_conv import random_coords, scan_coords  # noqa: E402
+from common import HOST_THEN_GPU, find_data, interleaved, random_coords, recorded, scan_coords
 
 
 def ours(pkg, coords, ch, dtype=np.float32, tiles=(8, 8), cout=None):
@@ -79,33 +72,9 @@ def spconv_calls(coords, ch, dtype=np.float32, cout=None):
     return calls
 
 
-def sync():
-    import cupy
-
-    cupy.cuda.Device().synchronize()
-
-
-def one_host(fn):
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def one_gpu(fn):
-    import cupy
-
-    a, b = cupy.cuda.Event(), cupy.cuda.Event()
-    a.record()
-    fn()
-    b.record()
-    b.synchronize()
-    return cupy.cuda.get_elapsed_time(a, b)
-
-
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--data", default=".devdata")
+    ap.add_argument("--data", default=None, help="folder with the scans (default: see common.find_data)")
     ap.add_argument("--base", default=".ab", help="folder holding base_sc/, a copy of the baseline package")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--block", type=int, default=4, help="calls per contender and round, after one not kept")
@@ -126,7 +95,7 @@ def main():
     if (Path(args.base) / "base_sc").is_dir():
         sys.path.insert(0, str(Path(args.base).resolve()))
         packages["base"] = importlib.import_module("base_sc")
-    makers = {name: (lambda n=name: scan_coords(Path(args.data), n)) for name in ("kitti", "scannet", "sunrgbd")}
+    makers = {name: (lambda n=name: scan_coords(find_data(args.data), n)) for name in ("kitti", "scannet", "sunrgbd")}
     makers["random1M"] = random_coords
     out = {"recorded": recorded(args.note), "clouds": {}}
     for cname in args.clouds.split(","):
@@ -140,35 +109,20 @@ def main():
         except Exception as e:  # noqa: BLE001 - a missing peer: compare the two versions only
             print(f"spconv not run: {type(e).__name__}: {e}")
         contenders = {key: fn for key, fn in contenders.items() if key[0].startswith(args.only)}
-        for fn in contenders.values():
-            for _ in range(args.warmup):
-                fn()
-        sync()
-        samples = {key: {"host": [], "gpu": []} for key in contenders}
-        keys = list(contenders)
-        rng = np.random.default_rng(0)
-        for r in range(args.rounds):
-            # A contender's first call after another one's runs on cold host caches
-            # (measured: up to 50 % slower), so each gets a short block of calls, the
-            # first not kept. What ran just before still matters (a Map step after a
-            # spconv layer was ~15 % slower than after another Map step, 2026-11-23),
-            # so the order is shuffled afresh every round: every contender follows
-            # every other about equally often.
-            for key in [keys[i] for i in rng.permutation(len(keys))]:
-                fn = contenders[key]
-                fn()
-                sync()
-                for _ in range(args.block):
-                    samples[key]["host"].append(one_host(fn))
-                for _ in range(args.block):
-                    samples[key]["gpu"].append(one_gpu(fn))
+        # A contender's first call after another one's runs on cold host caches (measured:
+        # up to 50 % slower), so each gets a short block of calls, the first not kept. What
+        # ran just before still matters (a Map step after a spconv layer was ~15 % slower
+        # than after another Map step, 2026-11-23), so the order is shuffled afresh every
+        # round: every contender follows every other about equally often.
+        times = interleaved(contenders, args.rounds, block=args.block, warmup=args.warmup, timers=HOST_THEN_GPU)
         res = {}
         print(f"== {cname}, {len(coords):,} voxels, {args.rounds} interleaved rounds (ms, median)")
-        for key, s in samples.items():
-            h, g = statistics.median(s["host"]), statistics.median(s["gpu"])
-            res[" / ".join(key)] = {"host_ms": h, "gpu_ms": g, "host_ms_all": s["host"], "gpu_ms_all": s["gpu"]}
+        for key, t in times.items():
+            h, g = t["host_ms"], t["gpu_ms"]
+            res[" / ".join(key)] = t
             print(f"   {key[0]:12s} {key[1]:24s} host {h:7.3f}  gpu {g:7.3f}")
         out["clouds"][cname] = res
+    out["recorded"] = recorded(args.note)  # again, now that the peers' versions are known
     Path(args.out).write_text(json.dumps(out, indent=1))
 
 

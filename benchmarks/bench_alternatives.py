@@ -1,49 +1,40 @@
 #!/usr/bin/env python
-"""#17's benchmark: every Map method and every dataflow beside spconv 2.3.8, interleaved.
+"""Issue #17's benchmark: every Map method and every dataflow beside spconv 2.3.8, interleaved.
 
     . benchmarks/gpu_env.sh
-    python3 benchmarks/bench_alternatives.py --out alt.json [--clouds kitti,scannet,sunrgbd,random1M]
-        [--only map|layer] [--rows 4-16,32-32,64-64,128-128,256-256] [--dtypes float32,float16]
+    python3 benchmarks/bench_alternatives.py --out results/alternatives.json
+        [--clouds kitti,scannet,sunrgbd,random1M,dense] [--only map|layer] [--reuse]
+        [--rows 4-16,32-32,64-64,128-128,256-256] [--dtypes float32,float16]
 
-What a user meets, measured the way ``ab_compare.py`` does: the public API, wall
-clock around each call and a device-wide synchronize (host time), CUDA events
-around it (GPU time); every contender of a workload gets, in each of
-``--rounds`` rounds, a block of calls (the first not kept), in an order shuffled
-afresh every round; medians over all kept calls.
+What a user meets: the public API, timed with ``common.interleaved`` (as ``ab_compare.py``
+does): wall clock between device-wide synchronizes (host time) and CUDA events around the
+call (GPU time); every contender of a workload gets, in each of ``--rounds`` rounds, one
+untimed call and a block of timed ones, in an order shuffled afresh every round; medians
+over all timed calls.
 
-Workloads per cloud:
+Clouds: the three real scans, 1M random voxels in a 400^3 box, and ``dense``: those voxels
+at stride 4 (~635k voxels, ~17 pairs per voxel). Workloads per cloud:
 
 * **map**: ``build_kernel_map(coords, 3, assume_sorted=True, method=m)`` for
   m in sorted, hash, grid (when the box fits) and auto, beside spconv's
   ``get_indice_pairs`` (submanifold, Native);
-Clouds: the three real scans, 1M random voxels in a 400^3 box, and ``dense``:
-those voxels at stride 4 (~635k voxels, ~17 pairs per voxel).
-
 * **layer C_in -> C_out, dtype**: ``sparse_conv3d(x, w, 3, dataflow=d)`` for d in
-  gmas, fetch, implicit and auto (its Map step included: a fresh layer), beside
-  spconv's ``SubMConv3d`` with Native and MaskImplicitGemm (fresh tensors, so
-  its pairs are rebuilt as well).
+  gmas, fetch, implicit and auto (its Map step included: a fresh layer; ``--reuse``: also
+  with the map given), beside spconv's ``SubMConv3d`` with Native and MaskImplicitGemm
+  (fresh tensors, so its pairs are rebuilt as well).
 
 Every contender's output is checked against the gmas dataflow's before timing.
 Never runs in CI.
 """
 import argparse
 import json
-import statistics
-import sys
 import time
 import traceback
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _record import recorded  # noqa: E402
-from ab_compare import one_gpu, one_host, sync  # noqa: E402
-from bench_conv import random_coords, scan_coords  # noqa: E402
+from common import HOST_THEN_GPU, find_data, interleaved, random_coords, recorded, scan_coords
 
 ROWS = "4-16,32-32,64-64,128-128,256-256"
 
@@ -124,30 +115,16 @@ def spconv_layer(coords, cin, cout, dtype, reuse=False):
     return calls
 
 
-def interleaved(contenders, rounds, block, warmup):
-    for fn in contenders.values():
-        for _ in range(warmup):
-            fn()
-    sync()
-    samples = {key: {"host": [], "gpu": []} for key in contenders}
-    keys = list(contenders)
-    rng = np.random.default_rng(0)
-    for _ in range(rounds):
-        for key in [keys[i] for i in rng.permutation(len(keys))]:
-            fn = contenders[key]
-            fn()
-            sync()
-            for _ in range(block):
-                samples[key]["host"].append(one_host(fn))
-            for _ in range(block):
-                samples[key]["gpu"].append(one_gpu(fn))
-    return {" / ".join(k): {"host_ms": statistics.median(s["host"]), "gpu_ms": statistics.median(s["gpu"])}
-            for k, s in samples.items()}
+def timed(contenders, args):
+    """:func:`common.interleaved`: host (wall clock between device-wide synchronizes) and GPU
+    (CUDA events) milliseconds, a block of each per round; keys joined as "workload / contender"."""
+    times = interleaved(contenders, args.rounds, block=args.block, warmup=args.warmup, timers=HOST_THEN_GPU)
+    return {" / ".join(k): {"host_ms": t["host_ms"], "gpu_ms": t["gpu_ms"]} for k, t in times.items()}
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--data", default=".devdata")
+    ap.add_argument("--data", default=None, help="folder with the scans (default: see common.find_data)")
     ap.add_argument("--clouds", default="kitti,scannet,sunrgbd,random1M,dense")
     ap.add_argument("--only", default="", help="map or layer: one kind of workload")
     ap.add_argument("--rows", default=ROWS)
@@ -163,7 +140,7 @@ def main():
 
     import numba_sc as ns
 
-    makers = {n: (lambda n=n: scan_coords(Path(args.data), n)) for n in ("kitti", "scannet", "sunrgbd")}
+    makers = {n: (lambda n=n: scan_coords(find_data(args.data), n)) for n in ("kitti", "scannet", "sunrgbd")}
     makers["random1M"] = random_coords
     # The dense level of a network on 1M random voxels: after two stride-2 layers that
     # cloud has ~635k voxels and ~17 pairs per voxel in a 3x3x3 layer (README, session 8),
@@ -195,7 +172,7 @@ def main():
                         except Exception:  # noqa: BLE001
                             traceback.print_exc()
         for name, calls, errors in groups:
-            times = interleaved(calls, args.rounds, args.block, args.warmup)
+            times = timed(calls, args)
             res[name] = {"times": times, "errors": errors}
             best = {}
             for key, t in times.items():
@@ -206,8 +183,8 @@ def main():
             print(f"   {name:26s} {line}  | best ours / best spconv {mine / spc:.2f}")
             if errors:
                 print("      errors vs gmas: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+        out["recorded"] = recorded(args.note)  # again, now that the peers' versions are known
         Path(args.out).write_text(json.dumps(out, indent=1))
-
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Needs a CUDA GPU with CuPy; spconv and torch are optional peers (each peer runs 
 its own try/except, and its error is printed instead of its numbers). Never run
 in CI. Example::
 
-    python benchmarks/bench_conv.py --data ../shared/data --out bench_conv.json
+    python3 benchmarks/bench_conv.py --out results/conv.json
 
 For each dataset (SemanticKITTI voxelized at 0.05 m; 1,000,000 random unique
 voxels in a 400^3 box) and each channel pair (4->16, 32->32, ..., 256->256) it
@@ -21,137 +21,23 @@ times, median of ``--reps`` runs after ``--warmup`` runs:
 Host time is wall clock around the call plus a synchronisation; GPU time comes
 from CUDA events recorded on the current stream around the call. The end-to-end
 and GMaS-alone calls of a row's contenders are timed interleaved, call by call
-(:func:`timed_interleaved`; ``--sequential``: one contender after the other). A short table
+(``common.interleaved``; ``--sequential``: one contender after the other). A short table
 goes to stdout, everything to ``--out`` (JSON).
 """
 # (numba_sc.core.launch.launch switches off Numba's per-launch host sync on CuPy
 # arguments itself, so the benchmark measures what a user gets.)
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from pathlib import Path  # noqa: E402
+import numpy as np
 
-import numpy as np  # noqa: E402
-from _record import recorded  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common import (HOST_AND_GPU, SCANS, device_name, find_data, host_and_gpu_ms, interleaved,
+                    random_coords, recorded, repeated, rounds_for, scan_coords, torch_events)
 
 CHANNELS = [(4, 16), (32, 32), (64, 64), (128, 128), (256, 256)]
-KITTI = "semantickitti_000000.bin"
-
-
-def find_data(arg):
-    for d in [arg, ROOT.parent / "shared" / "data", ROOT / ".devdata", ROOT / "data"]:
-        if d and (Path(d) / KITTI).exists():
-            return Path(d)
-    return None
-
-
-def kitti_coords(data_dir):
-    import numba_sc
-
-    pts = np.fromfile(data_dir / KITTI, np.float32).reshape(-1, 4)
-    return numba_sc.voxelize(pts[:, :3], 0.05, backend="reference").coords
-
-
-SCANS = {"kitti": (KITTI, 4, 0.05), "scannet": ("scannet_scene0000_00.bin", 6, 0.02),
-         "sunrgbd": ("sunrgbd_000017.bin", 6, 0.02)}  # file, columns, voxel size (m)
-
-
-def scan_coords(data_dir, name):
-    import numba_sc
-
-    fname, cols, voxel = SCANS[name]
-    pts = np.fromfile(data_dir / fname, np.float32).reshape(-1, cols)
-    return numba_sc.voxelize(np.ascontiguousarray(pts[:, :3]), voxel, backend="reference").coords
-
-
-def random_coords(n=1_000_000, box=400, seed=0):
-    """n unique voxels drawn uniformly from a box^3 grid."""
-    rng = np.random.default_rng(seed)
-    ids = np.unique(rng.integers(0, box ** 3, size=int(n * 1.1)))
-    while len(ids) < n:
-        ids = np.unique(np.concatenate([ids, rng.integers(0, box ** 3, size=n)]))
-    ids = rng.permutation(ids)[:n]
-    return np.stack([ids // (box * box), (ids // box) % box, ids % box], 1).astype(np.int32)
-
-
-def one_call(fn, make, elapsed):
-    """Host and GPU milliseconds of one fn() call: wall clock from before the start
-    event to the end event's completion, and the time between the two events."""
-    start, stop = make()
-    t0 = time.perf_counter()
-    start.record()
-    fn()
-    stop.record()
-    stop.synchronize()
-    return (time.perf_counter() - t0) * 1e3, elapsed(start, stop)
-
-
-def medians(host, gpu):
-    return {"host_ms": statistics.median(host), "gpu_ms": statistics.median(gpu),
-            "host_ms_all": host, "gpu_ms_all": gpu}
-
-
-def timed(fn, warmup, reps, events):
-    """Median host and GPU milliseconds of fn(). ``events`` makes (start, stop) event
-    pairs with .record(), and elapsed(start, stop) -> ms, for the library in use."""
-    make, elapsed, sync = events
-    for _ in range(warmup):
-        fn()
-    sync()
-    host, gpu = zip(*(one_call(fn, make, elapsed) for _ in range(reps)))
-    return medians(list(host), list(gpu))
-
-
-def timed_interleaved(contenders, warmup, reps, block=4):
-    """:func:`timed` for several contenders at once, call by call in rounds.
-
-    ``contenders``: key -> (fn, events). Each round gives every contender, in a
-    shuffled order, one call not kept and then ``block`` timed calls, until each
-    has at least ``reps`` timed calls. The lent GPU machine has slow minutes
-    (the same call then takes up to 2x longer): timed one after the other, a
-    contender that draws a slow minute loses a row it would win; interleaved,
-    a slow minute hits every contender of the row alike.
-    """
-    for fn, (_, _, sync) in contenders.values():
-        for _ in range(warmup):
-            fn()
-        sync()
-    samples = {key: ([], []) for key in contenders}
-    keys = list(contenders)
-    rng = np.random.default_rng(0)
-    for _ in range(-(-reps // block)):
-        for key in [keys[i] for i in rng.permutation(len(keys))]:
-            fn, (make, elapsed, sync) = contenders[key]
-            fn()
-            sync()
-            for _ in range(block):
-                host, gpu = one_call(fn, make, elapsed)
-                samples[key][0].append(host)
-                samples[key][1].append(gpu)
-    return {key: medians(h, g) for key, (h, g) in samples.items()}
-
-
-def cupy_events():
-    import cupy
-
-    return (lambda: (cupy.cuda.Event(), cupy.cuda.Event()),
-            cupy.cuda.get_elapsed_time,
-            lambda: cupy.cuda.Device().synchronize())
-
-
-def torch_events():
-    import torch
-
-    return (lambda: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)),
-            lambda a, b: a.elapsed_time(b),
-            torch.cuda.synchronize)
 
 
 # --------------------------------------------------------------------- numba-sc
@@ -166,7 +52,6 @@ def bench_numba_sc(coords, cin, cout, dtype, args, rec):
     from numba_sc.gmas.metadata import build_plan
     from numba_sc.gmas.scatter import scatter_cuda
 
-    ev = cupy_events()
     rng = np.random.default_rng(0)
     feats = cupy.asarray(rng.standard_normal((len(coords), cin)).astype(dtype))
     w = cupy.asarray((rng.standard_normal((27, cin, cout)) / np.sqrt(cin)).astype(dtype))
@@ -183,7 +68,7 @@ def bench_numba_sc(coords, cin, cout, dtype, args, rec):
              "gmas": lambda: numba_sc.sparse_conv3d(x, w, kernel_map=km, backend="cuda", tile_size=tiles)}
     if args.sequential:
         for name, fn in calls.items():
-            rec[name] = timed(fn, args.warmup, args.reps, ev)
+            rec[name] = repeated(fn, args.reps, args.warmup, HOST_AND_GPU)
     # per stage, on prepared arrays
     f, wd, km2, plan = prepare_layer(x, w, 3, 1, 1, False, km, "cuda")
     ibuf = gather_cuda(f, plan.in_lists, plan.rows, tiles[0])
@@ -204,7 +89,7 @@ def bench_numba_sc(coords, cin, cout, dtype, args, rec):
         if fn is None:
             continue
         try:
-            rec["stages"][name] = timed(fn, args.warmup, args.reps, ev)
+            rec["stages"][name] = repeated(fn, args.reps, args.warmup, HOST_AND_GPU)
         except Exception as e:  # one broken stage should not hide the others
             rec["stages"][name] = {"error": repr(e)}
     rec["gemm_launches"] = plan.launches  # the layer's grouping (launches priced by its channels)
@@ -217,7 +102,7 @@ def bench_numba_sc(coords, cin, cout, dtype, args, rec):
         got = cupy.asnumpy(y.features).astype(np.float64)
         want = ref.features.astype(np.float64)
         rec["rel_err_vs_reference"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-    return calls, ev
+    return calls, HOST_AND_GPU
 
 
 # ----------------------------------------------------------------------- spconv
@@ -227,6 +112,7 @@ def bench_spconv(coords, cin, cout, dtype, algo_name, args, rec):
     from spconv.core import ConvAlgo
 
     ev = torch_events()
+    timers = {("host_ms", "gpu_ms"): lambda fn: host_and_gpu_ms(fn, ev)}  # PyTorch's stream
     tdtype = torch.float16 if dtype == np.float16 else torch.float32
     dev = torch.device("cuda")
     lo = coords.min(0)
@@ -258,14 +144,14 @@ def bench_spconv(coords, cin, cout, dtype, algo_name, args, rec):
     calls = {"end_to_end": no_grad(fresh), "gmas": no_grad(reuse)}
     if args.sequential:
         for name, fn in calls.items():
-            rec[name] = timed(fn, args.warmup, args.reps, ev)
-    return calls, ev
+            rec[name] = repeated(fn, args.reps, args.warmup, timers)
+    return calls, timers
 
 
 # ------------------------------------------------------------------------ main
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--data", default=None, help="folder with the scans (default: see common.find_data)")
     ap.add_argument("--out", default="bench_conv.json")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=10)
@@ -285,22 +171,17 @@ def main():
     for name in args.datasets.split(","):
         try:
             if name in SCANS:
-                d = find_data(args.data)
-                if d is None:
-                    raise FileNotFoundError(f"{KITTI} not found in --data, ../shared/data or .devdata")
-                datasets[name] = scan_coords(d, name)
+                datasets[name] = scan_coords(find_data(args.data), name)
             elif name == "random":
                 datasets[name] = random_coords()
         except Exception as e:
             print(f"[dataset {name}] skipped: {e!r}")
     try:
-        import cupy
-
-        gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+        gpu = device_name()
     except Exception as e:
         print(f"CuPy / GPU unavailable ({e!r}): this benchmark needs a GPU")
         return 1
-    results = {"gpu": gpu, "reps": args.reps, "warmup": args.warmup, "runs": []}
+    results = {"reps": args.reps, "warmup": args.warmup, "runs": []}
     print(f"GPU: {gpu}")
     print(f"{'dataset':8} {'N':>8} {'ch':>9} {'impl':22} {'dtype':8} {'e2e host':>9} "
           f"{'e2e gpu':>9} {'gmas host':>9} {'gmas gpu':>9}  (ms)")
@@ -317,18 +198,18 @@ def main():
                            "impl": impl, "dtype": dt}
                     try:
                         if algo is None:
-                            calls, ev = bench_numba_sc(coords, cin, cout, dtype, args, rec)
+                            calls, timers = bench_numba_sc(coords, cin, cout, dtype, args, rec)
                         else:
-                            calls, ev = bench_spconv(coords, cin, cout, dtype, algo, args, rec)
+                            calls, timers = bench_spconv(coords, cin, cout, dtype, algo, args, rec)
                         for name, fn in calls.items():
-                            contenders[(impl, name)] = (fn, ev)
+                            contenders[(impl, name)] = (fn, timers)
                     except Exception as e:
                         rec["error"] = repr(e)
                         rec["traceback"] = traceback.format_exc()
                         print(f"[{impl} {dname} {cin}->{cout} {dt}] failed: {e!r}")
                     row.append(rec)
                 if not args.sequential and contenders:
-                    times = timed_interleaved(contenders, args.warmup, args.reps)
+                    times = interleaved(contenders, rounds_for(args.reps, 4), block=4, warmup=args.warmup)
                     for rec in row:
                         for name in ("end_to_end", "gmas"):
                             if (rec["impl"], name) in times:

@@ -9,18 +9,26 @@ the kernel, sets the wall time. This measures a trivial 3-array kernel launched
 - through ``numba_sc.core.launch.launch`` (what the package does: ``cuLaunchKernel``
   from prepared parameter slots), and the same with ``cuda.core.launch``.
 
-Median host microseconds over 2000 launches (no synchronisation inside the loop).
-Run on a GPU machine; never in CI.
+Median host microseconds per launch: 20 samples of 100 launches each, after 50
+untimed launches (no synchronisation inside a sample). Run on a GPU machine; never in CI::
+
+    python3 benchmarks/bench_launch.py --out results/launch.json
 """
+import argparse
+import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import recorded, sync
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", help="write the medians as JSON here")
+    ap.add_argument("--note", default="", help="what code this run measured (goes into 'recorded')")
+    args = ap.parse_args()
+
     import cupy
     from numba import cuda
 
@@ -47,14 +55,14 @@ def main():
     def per_launch(fn, reps=2000):
         for _ in range(50):
             fn()
-        cupy.cuda.Device().synchronize()
+        sync()
         samples = []
         for _ in range(reps // 100):
             t0 = time.perf_counter()
             for _ in range(100):
                 fn()
             samples.append((time.perf_counter() - t0) * 1e4)  # us per launch
-        cupy.cuda.Device().synchronize()
+        sync()
         return statistics.median(samples)
 
     variants = {
@@ -67,8 +75,12 @@ def main():
         "cupy elementwise (peer)": lambda: cupy.add(x, y, out=out),
     }
     print(f"{'how the arguments are passed':30s} {'host us / launch':>16s}")
+    rows = {}
     for name, fn in variants.items():
-        print(f"{name:30s} {per_launch(fn):16.1f}")
+        rows[name.strip(" .")] = per_launch(fn)
+        print(f"{name:30s} {rows[name.strip(' .')]:16.1f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"recorded": recorded(args.note), "host_us_per_launch": rows}, indent=1))
 
 
 if __name__ == "__main__":

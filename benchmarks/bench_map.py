@@ -3,7 +3,7 @@
 
 Only runs when invoked by hand; it is not a test and CI never collects it::
 
-    python benchmarks/bench_map.py --out map_results.json [--data DIR] [--repeats 20]
+    python3 benchmarks/bench_map.py --out results/map.json [--data DIR] [--repeats 20]
 
 What it measures, each as the median of ``--repeats`` runs after warm-up:
 
@@ -28,68 +28,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 
 import numpy as np
-from _record import recorded  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+from common import (KITTI, SCANS, device_name, find_data, gpu_ms, host_and_gpu_ms, recorded, repeated,
+                    scan_points, torch_events, wall_ms)
 
 SWEEP_B = (64, 128, 256, 512, 1024)
 SWEEP_C = (128, 256, 512, 1024)
-KITTI = "semantickitti_000000.bin"
 
 
 # ------------------------------------------------------------------- helpers
-def find_data(arg):
-    for d in [Path(arg)] if arg else [ROOT.parent / "shared" / "data", ROOT / ".devdata", Path(".devdata")]:
-        if (d / KITTI).exists():
-            return d
-    return None
-
-
-def sync():
-    import cupy
-
-    cupy.cuda.Device().synchronize()
-
-
 def time_gpu(fn, repeats, warmup):
     """Median GPU milliseconds between CUDA events recorded before and after fn()."""
-    import cupy
-
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-    return statistics.median(times)
+    return repeated(fn, repeats, warmup, {"gpu_ms": gpu_ms})["gpu_ms"]
 
 
 def time_wall(fn, repeats, warmup):
     """Median host milliseconds around fn() and a device synchronize."""
-    for _ in range(warmup):
-        fn()
-        sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return repeated(fn, repeats, warmup, {"wall_ms": wall_ms})["wall_ms"]
 
 
 def section(results, name, fn):
@@ -104,23 +64,13 @@ def section(results, name, fn):
 
 
 # ---------------------------------------------------------------- workloads
-def kitti_coords(data_dir):
+def scan_coords(data_dir, name):
+    """A scan voxelized on the GPU (CuPy int32 coordinates, sorted)."""
     import cupy
 
     import numba_sc as ns
 
-    pts = np.fromfile(data_dir / KITTI, np.float32).reshape(-1, 4)
-    v = ns.voxelize(cupy.asarray(np.ascontiguousarray(pts[:, :3])), 0.05, backend="cuda")
-    return v.coords
-
-
-def scan_coords(data_dir, fname, cols, voxel):
-    """An indoor scan (x, y, z, r, g, b) voxelized on the GPU at ``voxel`` metres."""
-    import cupy
-
-    import numba_sc as ns
-
-    pts = np.fromfile(data_dir / fname, np.float32).reshape(-1, cols)
+    pts, voxel = scan_points(data_dir, name)
     return ns.voxelize(cupy.asarray(np.ascontiguousarray(pts[:, :3])), voxel, backend="cuda").coords
 
 
@@ -226,25 +176,11 @@ def bench_spconv(coords, args):
         pairs = int(res[-1].sum().item())  # per-offset pair counts are the last result
     except Exception:  # noqa: BLE001 - the layout of the result may differ across versions
         pass
-    for _ in range(args.warmup):
-        run()
-    torch.cuda.synchronize()
-    gpu = []
-    for _ in range(args.repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        gpu.append(start.elapsed_time(end))
-    wall = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        wall.append((time.perf_counter() - t0) * 1e3)
+    ev = torch_events()
+    t = repeated(run, args.repeats, args.warmup, {"gpu_ms": lambda fn: host_and_gpu_ms(fn, ev)[1]})
+    wall = repeated(run, args.repeats, 0, {"wall_ms": wall_ms})
     return {"version": getattr(spconv, "__version__", "?"), "pairs": pairs,
-            "gpu_ms": statistics.median(gpu), "wall_ms": statistics.median(wall)}
+            "gpu_ms": t["gpu_ms"], "wall_ms": wall["wall_ms"]}
 
 
 def bench_sweep(coords, args):
@@ -303,22 +239,9 @@ def main(argv=None):
 
     if not ns.gpu_present():
         sys.exit("bench_map: no CUDA GPU found")
-    import cupy
-    import numba
-
-    data_dir = find_data(args.data)
-    results = {"meta": {"data": str(data_dir),
-        "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-        "python": platform.python_version(), "numba": numba.__version__,
-        "cupy": cupy.__version__, "repeats": args.repeats, "warmup": args.warmup,
-        "time": time.strftime("%Y-%m-%d %H:%M:%S")}}
-    try:
-        import numba_cuda
-
-        results["meta"]["numba_cuda"] = getattr(numba_cuda, "__version__", "?")
-    except ImportError:
-        pass
-    print(f"device: {results['meta']['device']}")
+    data_dir = find_data(args.data, required=False)
+    results = {"meta": {"data": str(data_dir), "repeats": args.repeats, "warmup": args.warmup}}
+    print(f"device: {device_name()}")
 
     workloads = {}  # name -> CuPy int32 coordinates
 
@@ -329,10 +252,10 @@ def main(argv=None):
     if data_dir is None:
         print(f"no {KITTI} under --data / ../shared/data / .devdata: skipping SemanticKITTI")
     else:
-        section(results, "load_kitti", lambda: load("kitti_0.05m", lambda: kitti_coords(data_dir)))
-        for fname, tag in (("scannet_scene0000_00.bin", "scannet_0.02m"), ("sunrgbd_000017.bin", "sunrgbd_0.02m")):
-            if (data_dir / fname).exists():
-                section(results, "load_" + tag, lambda f=fname, t=tag: load(t, lambda: scan_coords(data_dir, f, 6, 0.02)))
+        section(results, "load_kitti", lambda: load("kitti_0.05m", lambda: scan_coords(data_dir, "kitti")))
+        for name, tag in (("scannet", "scannet_0.02m"), ("sunrgbd", "sunrgbd_0.02m")):
+            if (data_dir / SCANS[name][0]).exists():
+                section(results, "load_" + tag, lambda n=name, t=tag: load(t, lambda: scan_coords(data_dir, n)))
     section(results, "make_random", lambda: load(
         f"random_{args.random_n}_in_{args.box}^3", lambda: random_coords(args.random_n, args.box)))
 

@@ -5,7 +5,7 @@ Needs a CUDA GPU with CuPy, and PyTorch + spconv for the peers (the GPU
 machine; never CI). Example::
 
     . benchmarks/gpu_env.sh
-    python3 benchmarks/bench_net.py --data .devdata --out net.json --layers
+    python3 benchmarks/bench_net.py --out results/net_scans.json --clouds kitti,scannet,sunrgbd --layers
 
 For each network x cloud x dtype:
 
@@ -33,31 +33,15 @@ the voxel mean of the first four columns), and 1,000,000 random voxels in
 """
 import argparse
 import json
-import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 
 import numpy as np
-from _record import recorded  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common import find_data, interleaved, random_coords, recorded, rounds_for, scan_points
 
-CLOUDS = {  # name -> (file, columns, voxel size)
-    "kitti": ("semantickitti_000000.bin", 4, 0.05),
-    "scannet": ("scannet_scene0000_00.bin", 6, 0.02),
-    "sunrgbd": ("sunrgbd_000017.bin", 6, 0.02),
-}
 NETS = ("resnet21", "unet42")
-
-
-def find_data(arg):
-    for d in [arg, ROOT.parent / "shared" / "data", ROOT / ".devdata"]:
-        if d and (Path(d) / CLOUDS["kitti"][0]).exists():
-            return Path(d)
-    raise FileNotFoundError("real scans not found in --data, ../shared/data or .devdata")
 
 
 def load_cloud(name, data):
@@ -65,48 +49,20 @@ def load_cloud(name, data):
     import numba_sc as ns
 
     if name == "random":
-        from bench_conv import random_coords
-
         c = random_coords()
         f = np.random.default_rng(1).standard_normal((len(c), 4)).astype(np.float32)
         x = ns.SparseTensor(c, f)
         return np.asarray(x.coords), np.asarray(x.features)
-    fname, cols, vs = CLOUDS[name]
-    pts = np.fromfile(Path(data) / fname, np.float32).reshape(-1, cols)
+    pts, vs = scan_points(data, name)
     v = ns.voxelize(pts[:, :3], vs, features=np.ascontiguousarray(pts[:, :4]), backend="reference")
     return v.coords, v.features.astype(np.float32)
 
 
-# ----------------------------------------------------------------- timing
-def device_sync():
-    import cupy
-
-    cupy.cuda.runtime.deviceSynchronize()
-
-
-def wall_interleaved(contenders, warmup, reps, block=4, seed=0):
-    """Median wall milliseconds of each contender's call, between device-wide
-    synchronizes; rounds in which every contender (shuffled) makes one untimed
-    call and ``block`` timed ones, until each has ``reps``."""
-    for fn in contenders.values():
-        for _ in range(warmup):
-            fn()
-    device_sync()
-    samples = {k: [] for k in contenders}
-    keys = list(contenders)
-    rng = np.random.default_rng(seed)
-    for _ in range(-(-reps // block)):
-        for key in [keys[i] for i in rng.permutation(len(keys))]:
-            fn = contenders[key]
-            fn()
-            device_sync()
-            for _ in range(block):
-                device_sync()
-                t0 = time.perf_counter()
-                fn()
-                device_sync()
-                samples[key].append((time.perf_counter() - t0) * 1e3)
-    return {k: {"ms": statistics.median(v), "all": [round(s, 4) for s in v]} for k, v in samples.items()}
+def wall_interleaved(contenders, warmup, reps, block=4):
+    """:func:`common.interleaved` (wall clock between device-wide synchronizes) in this
+    benchmark's record format: key -> {"ms": median, "all": every sample}."""
+    t = interleaved(contenders, rounds_for(reps, block), block=block, warmup=warmup)
+    return {k: {"ms": v["ms"], "all": [round(s, 4) for s in v["ms_all"]]} for k, v in t.items()}
 
 
 # ------------------------------------------------------------- the models
@@ -452,7 +408,7 @@ def report(rec):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--data", default=None, help="folder with the scans (default: see common.find_data)")
     ap.add_argument("--out", default="bench_net.json")
     ap.add_argument("--nets", default=",".join(NETS))
     ap.add_argument("--clouds", default="kitti,scannet,sunrgbd,random")

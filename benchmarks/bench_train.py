@@ -5,7 +5,7 @@
 Needs a CUDA GPU with CuPy, PyTorch and spconv (the GPU machine; never CI)::
 
     . benchmarks/gpu_env.sh
-    python3 benchmarks/bench_train.py --data .devdata --out train.json
+    python3 benchmarks/bench_train.py --out results/train_step.json
 
 For each network x cloud (fp32, BatchNorm in training mode on both sides):
 
@@ -25,18 +25,14 @@ sides). A short table goes to stdout, everything to ``--out``.
 """
 import argparse
 import json
-import sys
 import traceback
 from pathlib import Path
 
 import numpy as np
-from _record import recorded  # noqa: E402
 
-from bench_net import (CLOUDS, build_ours, build_spconv, calibrated_state, find_data, free_memory,  # noqa: E402
-                       load_cloud, spconv_input, spconv_output, wall_interleaved)
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench_net import (build_ours, build_spconv, calibrated_state, free_memory, load_cloud, spconv_input,
+                       spconv_output, wall_interleaved)
+from common import SCANS, find_data, recorded
 
 
 def grads_in_spconv_layout(ours, grads, in_channels):
@@ -161,7 +157,7 @@ def report(rec):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default=None)
-    ap.add_argument("--clouds", default="kitti,scannet,sunrgbd", help=f"any of {', '.join(CLOUDS)}, random")
+    ap.add_argument("--clouds", default="kitti,scannet,sunrgbd", help=f"any of {', '.join(SCANS)}, random")
     ap.add_argument("--nets", default="unet42,resnet21")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
@@ -174,6 +170,8 @@ def main():
         coords, feats = load_cloud(cloud, data)
         for net in args.nets.split(","):
             run_one(net, cloud, coords, feats, args, out)
+    out["recorded"] = recorded(args.note)  # again, now that the peers' versions are known
+    Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"full results: {args.out}")
 
 

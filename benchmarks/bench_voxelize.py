@@ -2,7 +2,7 @@
 
 Run on a GPU machine (never in CI):
 
-    python benchmarks/bench_voxelize.py --data ../shared/data --out results.json
+    python3 benchmarks/bench_voxelize.py --out results/voxelize.json
 
 GPU time: CUDA events around one call, median of --repeat after --warmup calls.
 Host wall time: perf_counter around one call including the final synchronize
@@ -17,55 +17,29 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-
-def find_data(arg):
-    for d in [arg, "../shared/data", ".devdata"]:
-        if d and (Path(d) / "semantickitti_000000.bin").exists():
-            return Path(d)
-    raise SystemExit("semantickitti_000000.bin not found; pass --data DIR")
-
-
-def gpu_times(fn, warmup, repeat):
-    import cupy
-
-    for _ in range(warmup):
-        fn()
-    cupy.cuda.Device().synchronize()
-    gpu, host = [], []
-    for _ in range(repeat):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        t0 = time.perf_counter()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        host.append((time.perf_counter() - t0) * 1e3)
-        gpu.append(cupy.cuda.get_elapsed_time(start, stop))
-    return statistics.median(gpu), statistics.median(host)
+from common import HOST_AND_GPU, find_data, recorded, repeated, scan_points
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--data")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", help="folder with the scans (default: see common.find_data)")
     ap.add_argument("--voxel-size", type=float, default=0.05)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--out")
+    ap.add_argument("--note", default="", help="what code this run measured (goes into 'recorded')")
     args = ap.parse_args()
 
     import cupy
 
     import numba_sc as ns
 
-    scan = np.fromfile(find_data(args.data) / "semantickitti_000000.bin", np.float32).reshape(-1, 4)
+    scan, _ = scan_points(find_data(args.data), "kitti")
     xyz, feat = np.ascontiguousarray(scan[:, :3]), np.ascontiguousarray(scan[:, 3:])
     xyz_d, feat_d = cupy.asarray(xyz), cupy.asarray(feat)
 
@@ -77,7 +51,8 @@ def main():
     rows = {}
     for name, f in [("coords only", lambda: ns.voxelize(xyz_d, args.voxel_size, backend="cuda")),
                     ("coords + mean features", lambda: ns.voxelize(xyz_d, args.voxel_size, feat_d, backend="cuda"))]:
-        g, h = gpu_times(f, args.warmup, args.repeat)
+        t = repeated(f, args.repeat, args.warmup, HOST_AND_GPU)
+        g, h = t["gpu_ms"], t["host_ms"]
         t_ref = []
         for _ in range(5):
             t0 = time.perf_counter()
@@ -85,11 +60,9 @@ def main():
             t_ref.append((time.perf_counter() - t0) * 1e3)
         rows[name] = {"gpu_ms": g, "host_ms": h, "numpy_ms": statistics.median(t_ref)}
 
-    result = {"bench": "voxelize", "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-              "date": time.strftime("%Y-%m-%d"), "points": len(xyz), "voxels": len(ref.coords),
-              "voxel_size": args.voxel_size, "host": platform.processor() or platform.machine(),
-              "command": " ".join(sys.argv), "rows": rows}
-    print(f"voxelize SemanticKITTI ({len(xyz)} points -> {len(ref.coords)} voxels) on {result['device']}")
+    result = {"recorded": recorded(args.note), "bench": "voxelize", "points": len(xyz), "voxels": len(ref.coords),
+              "voxel_size": args.voxel_size, "host": platform.processor() or platform.machine(), "rows": rows}
+    print(f"voxelize SemanticKITTI ({len(xyz)} points -> {len(ref.coords)} voxels) on {result['recorded']['device']}")
     print(f"{'variant':26s} {'GPU ms':>8s} {'host ms':>8s} {'NumPy ms':>9s} {'speed-up (host)':>16s}")
     for k, v in rows.items():
         print(f"{k:26s} {v['gpu_ms']:8.3f} {v['host_ms']:8.3f} {v['numpy_ms']:9.2f} {v['numpy_ms'] / v['host_ms']:15.1f}x")

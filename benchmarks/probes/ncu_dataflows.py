@@ -5,7 +5,7 @@
         --metrics gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,\
 dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,\
 smsp__sass_thread_inst_executed_op_ffma_pred_on.sum \
-        python3 benchmarks/ncu_dataflows.py [DATA_DIR] [C] [dtype]
+        python3 benchmarks/probes/ncu_dataflows.py [DATA_DIR] [C] [dtype]
 
 Profiles one ``sparse_conv3d`` C -> C (default 64, float32) per dataflow (gmas,
 fetch, implicit) with its map given and its plans built (so only the layer's
@@ -19,22 +19,20 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
+
+from common import find_data, random_coords, scan_coords, sync  # noqa: E402
 
 
 def main():
     import cupy
 
     import numba_sc as ns
-    from bench_conv import random_coords
 
-    data = Path(sys.argv[1] if len(sys.argv) > 1 else ".devdata")
+    data = find_data(sys.argv[1] if len(sys.argv) > 1 else None)
     ch = int(sys.argv[2]) if len(sys.argv) > 2 else 64
     dtype = np.dtype(sys.argv[3] if len(sys.argv) > 3 else "float32")
-    scan = np.fromfile(data / "semantickitti_000000.bin", np.float32).reshape(-1, 4)
-    clouds = {"kitti": ns.voxelize(np.ascontiguousarray(scan[:, :3]), 0.05, backend="reference").coords,
-              "dense": np.unique(random_coords() // 4, axis=0)}
+    clouds = {"kitti": scan_coords(data, "kitti"), "dense": np.unique(random_coords() // 4, axis=0)}
     rng = np.random.default_rng(0)
     w = cupy.asarray((rng.standard_normal((27, ch, ch)) / np.sqrt(ch)).astype(dtype))
     for name, coords in clouds.items():
@@ -43,11 +41,11 @@ def main():
         for flow in ("gmas", "fetch", "implicit"):
             for _ in range(3):  # compile, build and keep the plans
                 ns.sparse_conv3d(x, w, 3, kernel_map=km, dataflow=flow)
-            cupy.cuda.Device().synchronize()
+            sync()
             print(f"profiling {name} {flow} {ch}->{ch} {dtype.name}", flush=True)
             cupy.cuda.runtime.profilerStart()
             ns.sparse_conv3d(x, w, 3, kernel_map=km, dataflow=flow)
-            cupy.cuda.Device().synchronize()
+            sync()
             cupy.cuda.runtime.profilerStop()
 
 

@@ -1,6 +1,6 @@
 """Where the host time of a layer goes: cProfile of repeated calls on the GPU.
 
-    . benchmarks/gpu_env.sh; python3 benchmarks/profile_host.py [--net unet42] [--dtype float16]
+    . benchmarks/gpu_env.sh; python3 benchmarks/probes/profile_host.py [--net unet42] [--dtype float16]
 
 Runs a network of :mod:`numba_sc.nn.models` once on SemanticKITTI at 0.05 m,
 records its layer calls, and for the first layer of each kind (strided,
@@ -17,23 +17,26 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
+
+from common import find_data, scan_points, sync  # noqa: E402
 
 
 def main():
-    import cupy
-
-    import numba_sc as ns
-    from numba_sc import models, nn
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--data", default=".devdata")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", default=None, help="folder with the scans (default: see common.find_data)")
     ap.add_argument("--net", default="unet42")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--calls", type=int, default=100)
     args = ap.parse_args()
-    scan = np.fromfile(Path(args.data) / "semantickitti_000000.bin", np.float32).reshape(-1, 4)
+
+    import cupy
+
+    import numba_sc as ns
+    from numba_sc import models, nn
+
+    scan, _ = scan_points(find_data(args.data), "kitti")
     v = ns.voxelize(np.ascontiguousarray(scan[:, :3]), 0.05, features=scan, backend="reference")
     model = (models.MinkUNet42(4, 19) if args.net == "unet42" else models.SparseResNet21(4))
     model.to(np.dtype(args.dtype)).cuda()
@@ -62,17 +65,17 @@ def main():
     for kind, (name, fn) in first.items():
         for _ in range(10):
             fn()
-        cupy.cuda.runtime.deviceSynchronize()
+        sync()
         t0 = time.perf_counter()
         for _ in range(args.calls):
             fn()
-        cupy.cuda.runtime.deviceSynchronize()
+        sync()
         wall = (time.perf_counter() - t0) / args.calls * 1e3
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.calls):
             fn()
-        cupy.cuda.runtime.deviceSynchronize()
+        sync()
         prof.disable()
         print(f"==== {kind} ({name}): {wall:.3f} ms a call, back to back, no profiler")
         pstats.Stats(prof).strip_dirs().sort_stats("tottime").print_stats(args.top)
