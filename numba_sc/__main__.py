@@ -43,7 +43,9 @@ def main(argv=None):
     c.add_argument("--stage", help="only the stages whose name contains this text")
     c.add_argument("--crop", type=int, default=1500, help="points the simulated kernels run on (default 1500)")
     lad = sub.add_parser("ladder", help="each stage's kernels rung by rung: agreement (no GPU) or GPU times")
-    lad.add_argument("stages", nargs="*", help="backward, search, gather, scatter, batchnorm (default: all)")
+    lad.add_argument("stages", nargs="*", metavar="STAGE",
+                     help="stage modules, e.g. gather scatter forward_search (default: all; --list names them)")
+    lad.add_argument("--list", action="store_true", help="name every stage's ladder, its rungs and what each adds")
     lad.add_argument("--points", help="KITTI-style float32 .bin file (default: the SemanticKITTI scan in "
                                       "$NUMBA_SC_DATA or ../shared/data, else a synthetic LiDAR scene)")
     lad.add_argument("--columns", type=int, default=4, help="float32 columns per point in --points (default 4)")
@@ -161,14 +163,18 @@ def _ladder(args):
     from .core.device import gpu_present, simulating
     from .tools.check import crop_points
     from .tools.demo import load_points
-    from .tools.ladder import LADDERS, run_ladder
+    from .tools.ladder import ladders, list_ladders, run_ladder
     from .tools.synthetic import lidar_scene
     from .coords.voxelization import voxelize
 
-    stages = args.stages or list(LADDERS)
-    unknown = [s for s in stages if s not in LADDERS]
+    if args.list:
+        list_ladders()
+        return 0
+    found = ladders()
+    stages = args.stages or list(found)
+    unknown = [s for s in stages if s not in found]
     if unknown:
-        print(f"no ladder for {unknown}; stages with one: {', '.join(LADDERS)}", file=sys.stderr)
+        print(f"no ladder for {unknown}; stages with one: {', '.join(found)}", file=sys.stderr)
         return 2
     source = args.points
     if source is None:

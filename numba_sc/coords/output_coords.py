@@ -20,8 +20,8 @@ the library sort of the keys and the unique passes of :mod:`numba_sc.map.sorting
 keys are needed), then the unpack kernel of voxelization. Bytes for N inputs:
 12-16N read, 8N written, then the sort/unique traffic (~40N). One device->host
 read, of the unique count (with the range flag): the host sizes the output by it.
-That is v2 of a two-rung ladder (``python -m numba_sc ladder outcoords``); v1,
-:func:`output_coordinates_v1`, de-duplicates as voxelization does, with two reads.
+That is v2 of a two-rung ladder (``python -m numba_sc ladder output_coords``); v1,
+:func:`output_coords_v1`, de-duplicates as voxelization does, with two reads.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from ..core import conventions as cv
 from ..core.device import device_xp
 from ..core.backend import filled, like, resolve_backend, to_device, to_host
 from ..core.launch import launch
+from ..core.rungs import Ladder, Rung
 from ..map.sorting import sort_unique_cuda, sort_unique_keys_cuda, sort_unique_reference
 from .voxelization import unpack_kernel
 
@@ -104,7 +105,7 @@ def _pack(coords, stride, tensor_stride):
     return c, s, keys, report
 
 
-def output_coordinates_v1(coords, stride, tensor_stride=1):
+def output_coords_v1(coords, stride, tensor_stride=1):
     """v1: Eq. 1 with voxelization's own de-duplication (:func:`~numba_sc.map.sorting.sort_unique_cuda`).
 
     Pack, argsort, gather the keys in that order, mark and compact the runs (which
@@ -122,20 +123,20 @@ def output_coordinates_v1(coords, stride, tensor_stride=1):
     return out
 
 
-def output_coordinates_cuda(coords, stride, tensor_stride=1):
-    """v2 (the library's): pack the snapped coordinates, sort and de-duplicate the keys
-    alone, unpack.
+def output_coords_v2(coords, stride, tensor_stride=1):
+    """v2 (the library's, as :func:`output_coordinates_cuda`): pack the snapped
+    coordinates, sort and de-duplicate the keys alone, unpack.
 
     What changed from v1: a strided layer needs the unique keys and nothing else,
     so the library sorts the keys themselves (no argsort, no gather of the keys
     in the sorted order, no order, starts or inverse), and the range flag rides
     with the unique count in one two-number report: one device->host read
     instead of two. Each read is a host-device round trip that stalls the
-    launch queue (~15-20 us of host time each, ``docs/performance.md``). On the
-    H100, the SemanticKITTI scan at stride 2: 529 -> 333 us, 1.59-1.61x in two runs
-    (``python -m numba_sc ladder outcoords``; host-bound, so these times include
-    the host's waits); in MinkUNet42 this change took the
-    four strided layers from 1.51x to 1.22x of spconv (fp32).
+    launch queue (``docs/performance.md``).
+
+    What it bought: the SemanticKITTI scan at stride 2, 529 -> 333 us (H100,
+    2026-11-24; host-bound, so the times include the host's waits; more in
+    ``docs/performance.md``, "coords/output_coords.py").
     """
     c, s, keys, report = _pack(coords, stride, tensor_stride)
     xp = device_xp()
@@ -149,14 +150,7 @@ def output_coordinates_cuda(coords, stride, tensor_stride=1):
     return out
 
 
-def output_coordinates_rung(rung: str, coords, stride, tensor_stride=1):
-    """Run one rung of the ladder: ``"v1"`` or ``"v2"`` (the library's)."""
-    if rung not in OUTPUT_COORDS_RUNGS:
-        raise ValueError(f"rung must be one of {OUTPUT_COORDS_RUNGS}, got {rung!r}")
-    return (output_coordinates_v1 if rung == "v1" else output_coordinates_cuda)(coords, stride, tensor_stride)
-
-
-OUTPUT_COORDS_RUNGS = ("v1", "v2")
+output_coordinates_cuda = output_coords_v2  # the library's device path: the last rung
 
 
 def _strides(stride, tensor_stride):
@@ -173,7 +167,8 @@ def _strides_of(stride, tensor_stride):
     return tuple(int(v) for v in _total_stride(stride, tensor_stride))
 
 
-def output_coordinates(coords, stride, tensor_stride=1, backend=None):
+def output_coordinates(coords: cv.Array, stride: cv.IntOr3, tensor_stride: cv.IntOr3 = 1,
+                       backend: str | None = None) -> cv.Array:
     """Output coordinates of a convolution with ``stride`` on a tensor of ``tensor_stride``.
 
     ``floor(c / (s*t)) * (s*t)``, de-duplicated and sorted lexicographically;
@@ -184,3 +179,15 @@ def output_coordinates(coords, stride, tensor_stride=1, backend=None):
     else:
         out = output_coordinates_cuda(coords, stride, tensor_stride)
     return like(out, coords)
+
+
+# -------------------------------------------------------------------- the ladder
+LADDER = Ladder(
+    "output_coords",
+    (Rung("v1", lambda w: output_coords_v1(w["coords"], 2),
+          "Eq. 1 through voxelization's de-duplication (argsort, order, inverse); two reads"),
+     Rung("v2", lambda w: output_coords_v2(w["coords"], 2),
+          "+ the keys alone sorted, the range flag read with the count: one read (the library's)")),
+    workload=lambda ctx: {"coords": ctx.device_coords()},  # a stride-2 layer's outputs
+    reference=lambda w: output_coordinates_reference(to_host(w["coords"]), 2),
+)

@@ -22,11 +22,11 @@ The GPU pipeline (one thread per point or per voxel, paper Section 2.2 / Eq. 1):
    (:mod:`numba_sc.core.conventions`), flagging NaN / inf / out-of-range points;
 2. library sort + run marking + compaction (:mod:`numba_sc.map.sorting`);
 3. ``unpack_kernel``: unique keys back to int32 coordinates;
-4. ``segment_reduce_kernel``: each voxel reduces the features of its run of points.
+4. ``voxelization_v2``: each voxel reduces the features of its run of points.
 
-The reduction is a two-rung ladder (``python -m numba_sc ladder voxelize``):
-``atomic_reduce_v1`` adds every point into its voxel with atomics, as the
-formula reads; ``segment_reduce_kernel`` (v2, the library's) sums each voxel's
+The reduction is a two-rung ladder (``python -m numba_sc ladder voxelization``):
+``voxelization_v1`` adds every point into its voxel with atomics, as the
+formula reads; ``voxelization_v2`` (the library's) sums each voxel's
 sorted run in a register instead.
 
 Bytes moved for N points, M voxels, C channels (float32): quantize reads 12N,
@@ -43,8 +43,9 @@ from numba import cuda
 
 from ..core import conventions as cv
 from ..core.device import device_xp, is_cupy
-from ..core.backend import like, resolve_backend, to_device
+from ..core.backend import like, resolve_backend, to_device, to_host
 from ..core.launch import launch
+from ..core.rungs import Ladder, Rung
 from ..map.sorting import sort_unique_cuda, sort_unique_reference
 
 REDUCTIONS = ("mean", "sum", "max")
@@ -213,7 +214,7 @@ def unpack_kernel(ukeys, s, coords):
 
 
 @cuda.jit
-def segment_reduce_kernel(features, order, starts, mode, out):
+def voxelization_v2(features, order, starts, mode, out):
     """v2 (the library's): one thread per (voxel, channel) reduces the run of points of
     that voxel.
 
@@ -221,12 +222,12 @@ def segment_reduce_kernel(features, order, starts, mode, out):
     each other (``starts``), so a thread can sum its voxel's run in a register
     and write once: no atomics, no zeroed buffer, no second pass, and the sum
     runs in the same order every time (v1's order is the threads' race, so its
-    float sums may differ in the last bit from run to run). On the H100, the
-    SemanticKITTI scan (123k points, 4 channels), the whole stage: 602 -> 622 us
-    (0.96-0.99x in two runs, ``benchmarks/results/ladder_all_kitti_h100_2026-11-24.json``):
-    no faster. At 4 channels the reduction is a sliver of the stage (the sort and
-    its device read are most of it), so what v2 buys here is the same result
-    run after run, not time; it stays the library's for that.
+    float sums may differ in the last bit from run to run). What it bought in
+    time: none, the SemanticKITTI scan (123k points, 4 channels), the whole
+    stage, 602 -> 622 us (H100, 2026-11-24). At 4 channels the reduction is a
+    sliver of the stage (the sort and its device read are most of it), so what
+    v2 buys here is the same result run after run, not time; it stays the
+    library's for that.
 
     ``mode`` 0 = mean, 1 = sum, 2 = max. The points of voxel m sit at sorted
     positions ``starts[m]:starts[m+1]``; ``order`` maps them back to input rows.
@@ -272,18 +273,15 @@ def voxelize_cuda(points, voxel_size, features=None, reduce="mean") -> Voxelizat
     if features is not None:
         f = to_device(features)
         feats = xp.empty((m, f.shape[1]), dtype=f.dtype)
-        launch(segment_reduce_kernel, m * f.shape[1], f, su.order, su.starts,
+        launch(voxelization_v2, m * f.shape[1], f, su.order, su.starts,
                REDUCTIONS.index(reduce), feats)
     return Voxelization(coords, feats, su.inverse, counts)
 
 
-def voxelize_rung(rung: str, points, voxel_size, features):
-    """Run one rung of the ladder on device arrays: ``"v1"`` (atomic reduction) or
-    ``"v2"`` (:func:`voxelize_cuda`); returns a :class:`Voxelization` (mean)."""
-    if rung == "v2":
-        return voxelize_cuda(points, voxel_size, features, "mean")
-    if rung != "v1":
-        raise ValueError(f"rung must be one of {VOXELIZE_RUNGS}, got {rung!r}")
+def voxelization_v1(points, voxel_size, features):
+    """v1 on device arrays: :func:`voxelize_cuda`'s steps with the atomic reduction
+    (:func:`atomic_reduce_v1`, then :func:`divide_v1`); returns a :class:`Voxelization`
+    (mean)."""
     xp = device_xp()
     vs, features = _check_args(points, voxel_size, features, "mean")
     p, f = to_device(points), to_device(features)
@@ -303,11 +301,9 @@ def voxelize_rung(rung: str, points, voxel_size, features):
     return Voxelization(coords, feats, su.inverse, counts)
 
 
-VOXELIZE_RUNGS = ("v1", "v2")
-
-
 # ----------------------------------------------------------------------- API
-def voxelize(points, voxel_size, features=None, reduce="mean", backend=None) -> Voxelization:
+def voxelize(points: cv.Array, voxel_size: float | tuple[float, float, float], features: cv.Array | None = None,
+             reduce: str = "mean", backend: str | None = None) -> Voxelization:
     """Snap float points to unique voxel coordinates, sorted lexicographically.
 
     Parameters
@@ -332,3 +328,33 @@ def voxelize(points, voxel_size, features=None, reduce="mean", backend=None) -> 
     else:
         out = voxelize_cuda(points, voxel_size, features, reduce)
     return Voxelization(*(like(a, points) for a in (out.coords, out.features, out.inverse, out.counts)))
+
+
+# -------------------------------------------------------------------- the ladder
+def _ladder_work(ctx):
+    """The scan's points (x, y, z) and, as their features, their own columns cast to
+    the context's dtype (4 with a remission column), on the device."""
+    points = np.asarray(ctx.points, np.float32)
+    return {"points": to_device(np.ascontiguousarray(points[:, :3])), "voxel_size": ctx.voxel_size,
+            "features": to_device(np.ascontiguousarray(points[:, :4].astype(ctx.dtype)))}
+
+
+def _coords_and_features(v):
+    """A voxelization's coordinates and features, side by side, on the host."""
+    return np.concatenate([to_host(v.coords), to_host(v.features)], axis=1)
+
+
+LADDER = Ladder(
+    "voxelization",
+    (Rung("v1", lambda w: voxelization_v1(w["points"], w["voxel_size"], w["features"]),
+          "the points added into their voxels by atomics (float64), then a division"),
+     Rung("v2", lambda w: voxelize_cuda(w["points"], w["voxel_size"], w["features"], "mean"),
+          "+ each voxel's sorted run summed in a register: no atomics, one pass (the library's)")),
+    workload=_ladder_work,
+    reference=lambda w: _coords_and_features(
+        voxelize_reference(to_host(w["points"]), w["voxel_size"], to_host(w["features"]))),
+    # v1 adds in float64 in the threads' order: exact for these values, but not promised
+    tolerance={"float32": 1e-7, "float16": 1e-3},
+    collect=_coords_and_features,
+    needs=("points",),
+)

@@ -67,8 +67,8 @@ def filled(shape, dtype, value):
     """A new device array of ``shape`` with every element ``0`` or ``-1``.
 
     Why not ``cupy.full``: it launches an elementwise kernel, which costs tens of
-    microseconds of host time, and on the H100 it wrote a 108 MB table at a
-    quarter of the memory bandwidth (129 us, the retired ``probe_timeline.py``, ``benchmarks/README.md``).
+    microseconds of host time, and it writes at a fraction of the memory
+    bandwidth (``docs/performance.md``, "Memory without host round trips").
     0 and -1 are the two values whose bytes are all equal (0x00, 0xFF in two's
     complement), so a byte-wise ``cudaMemsetAsync`` - one driver call, queued on
     the current stream - writes them at full bandwidth.
@@ -92,7 +92,7 @@ def to_device_async(host):
 
     ``cupy.asarray(numpy_array)`` copies from pageable memory, and the driver
     first waits for all work queued on the stream: a hidden sync that stalls the
-    host until the GPU has caught up (56 us in one layer on the H100). Staged
+    host until the GPU has caught up (``docs/performance.md``). Staged
     through pinned memory the copy is queued like a kernel. The pinned buffer
     must outlive the copy, so it is held here until its event has passed.
     """

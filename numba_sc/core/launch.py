@@ -134,10 +134,10 @@ class FastLauncher:
     ``raw = False`` sends every kernel through ``cuda.core.launch``, as Numba
     itself launches, for comparisons.
 
-    (Tried and dropped: the same driver call through ``cuda.bindings``, 15.6 us a
-    launch on the H100 against 13.5 us for ``cuda.core.launch``; through
-    ``ctypes`` with the parameters packed by ``struct.pack_into``, 11.6 against
-    10.2 us. Both bindings cost more per call than they saved.)
+    (Tried and dropped: the same driver call through ``cuda.bindings``, and
+    through ``ctypes`` with the parameters packed by ``struct.pack_into``. Both
+    cost more per call than they saved; the figures are in ``docs/performance.md``,
+    "The launch path".)
     """
 
     def __init__(self):

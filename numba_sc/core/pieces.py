@@ -19,12 +19,13 @@ from .device import simulating
 class Piece:
     """A contiguous piece of a device array, as light as a kernel argument can be.
 
-    Why: on the GPU machine a CuPy slice costs ~3 us of host time, a
-    ``view(...).reshape(...)`` ~7 us and an allocation ~4 us, and the Map step
-    needs a dozen small arrays (flags, counters, scratch). Made from one
-    allocation, as pieces, they cost a Python object each (~2 us). A piece is only
-    ever handed to :func:`launch` (whose fast path reads its fields directly;
-    Numba's dispatcher reads ``__cuda_array_interface__``) or read back with
+    Why: on the GPU machine every CuPy slice, ``view(...).reshape(...)`` and
+    allocation costs microseconds of host time, and the Map step needs a dozen
+    small arrays (flags, counters, scratch). Made from one allocation, as
+    pieces, they cost a Python object each (the figures:
+    ``docs/performance.md``, "Memory without host round trips"). A piece is only
+    ever handed to :func:`numba_sc.core.launch.launch` (whose fast path reads its
+    fields directly; Numba's dispatcher reads ``__cuda_array_interface__``) or read back with
     ``get()``; it keeps its base array alive. Under the simulator
     :func:`piece` returns plain NumPy views instead.
     """
@@ -50,7 +51,7 @@ class Piece:
 
     def rebased(self, base):
         """The same piece (offset, shape, dtype) of another allocation ``base``:
-        ~1 us where a new piece costs ~2 us (the Map step cuts a dozen per call)."""
+        about half the host time of a new piece (the Map step cuts a dozen per call)."""
         p = Piece.__new__(Piece)
         p.base, p.offset, p.ptr = base, self.offset, base.data.ptr + self.offset
         p.dtype, p.itemsize, p.shape, p.ndim = self.dtype, self.itemsize, self.shape, self.ndim
@@ -125,8 +126,8 @@ class _NoBase:
 def piece_template(offset, shape, dtype):
     """A :class:`Piece` at ``offset`` of no allocation yet: ``.rebased(base)`` puts it
     in one. For layouts worked out once and cut from a new allocation each call
-    (~0.3 us a piece instead of ~0.7 us through :func:`piece`, on this machine's
-    CPU; the caller has checked that the layout fits). It holds no allocation, so
+    (less than half the host time of :func:`piece`; the caller has checked that
+    the layout fits). It holds no allocation, so
     a cache of templates keeps no device memory alive. GPU only."""
     return Piece(_NoBase, offset, shape, np.dtype(dtype))
 

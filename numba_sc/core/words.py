@@ -2,10 +2,10 @@
 
 A thread of the gather or the scatter handles a *tile* of ``T`` consecutive
 channels of one row. Read channel by channel, a fp16 tile of 8 channels is eight
-2-byte loads; read as two 8-byte words it is two. Fewer, wider loads made the
-fp16 gather of 1M voxels at 256 channels go from 428 to 244 us (Nsight Compute,
-H100), and let the scatter use tiles of 16 and 32 channels, which channel by
-channel ran up to 3.5x slower than tiles of 8. So both kernels see the feature
+2-byte loads; read as two 8-byte words it is two. Fewer, wider loads speed up
+the fp16 gather at many channels, and let the scatter use tiles of 16 and 32
+channels, which channel by channel are much slower than tiles of 8 (rung v4 of
+both ladders; figures in ``docs/performance.md``). So both kernels see the feature
 arrays as rows of signed integer *words* whenever a tile's bytes are a whole
 number of them (:func:`word_view`), and unpack a word into its channels only
 where they must be added (the scatter):

@@ -93,17 +93,16 @@ def rule_dataflow(c_in, c_out, dtype, n_out, map_given=False, pairs_per_output=0
 
     Written from the single-layer table measured on the H100 (SemanticKITTI,
     ScanNet, SUN RGB-D, 1M random voxels and those voxels at stride 4, fp32 and
-    fp16, 4->16 to 256->256; ``benchmarks/results/alternatives_h100_2026-11-24.json``).
+    fp16, 4->16 to 256->256; ``benchmarks/results/alternatives.json``).
     ``pairs_per_output``: the map's pairs outside the submanifold centre per output
     (0.4 on the random cloud, 0.8-7.6 on the scans, 16 on the dense cloud).
 
     * ``"implicit"`` for at most :data:`SMALL_CHANNELS` channels in and out, when
       the layer is given its map (its plan is then kept on the map) on a small
-      cloud (at most :data:`SMALL_CLOUD` outputs: one launch instead of several;
-      4->16 took 0.66-0.78x gmas's time on all three scans, both dtypes), or on
-      a large dense cloud (1.7-2.9x faster than gmas at 4->16);
+      cloud (at most :data:`SMALL_CLOUD` outputs: one launch instead of several),
+      or on a large dense cloud;
     * ``"implicit"`` in fp32 up to :data:`MID_CHANNELS` channels on a large dense
-      cloud (32->32 and 64->64: 0.72x and 0.85x gmas), where gmas moves ~16 pairs
+      cloud, where gmas moves ~16 pairs
       a voxel through its buffers; in fp16 gmas's GEMMs run on tensor cores and
       win from 32 channels on;
     * ``"gmas"`` everywhere else. A small layer that builds its own map would
@@ -112,6 +111,9 @@ def rule_dataflow(c_in, c_out, dtype, n_out, map_given=False, pairs_per_output=0
       (few pairs, large buffers of nothing) gmas won every row; and cuBLAS beats
       the CUDA-core kernels wherever the products, not the buffers, cost most.
       Fetch-on-demand won no row: its atomics cost more than the buffers they save.
+
+    The measured ratios behind each branch: ``docs/performance.md``,
+    "dataflows/choice.py".
     """
     small = c_in <= SMALL_CHANNELS and c_out <= SMALL_CHANNELS
     dense_and_large = pairs_per_output >= DENSE_PAIRS and (n_out or 0) >= LARGE_CLOUD
@@ -149,8 +151,9 @@ def method_key(n_points, kernel_volume):
 
 def rule_map_method(n_points, kernel_volume) -> str:
     """The Map method to run when none was measured: Minuet's sorted search, which
-    was at least as fast as the hash table on every cloud measured on the H100
-    and 3x faster than the grid (whose box must be cleared and read back)."""
+    was at least as fast as the hash table on every cloud measured, and faster
+    than the grid (whose box must be cleared and read back; figures in
+    ``docs/performance.md``, "dataflows/choice.py")."""
     return "sorted"
 
 

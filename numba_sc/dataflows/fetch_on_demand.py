@@ -88,13 +88,11 @@ MB, written once and read once, 195 MB in all, about 65 us at the H100's
 fits the H100's 50 MB L2) instead. Which costs less depends on the channels
 and the cloud, which is why PCEngine and TorchSparse++ pick per layer group
 (PCEngine: fetch-on-demand for small channel counts, gather-GEMM-scatter for
-large ones). Measured on the H100 (2026-11-24,
-``benchmarks/results/alternatives_h100_2026-11-24.json``): the kernel ran at
-3.8-3.9 TFLOP/s (FMA pipe 13 % busy: the atomics and their waits dominate),
-403 us on that scan against gather-GEMM-scatter's 213 us, and 21.9 ms against
-7.6 ms on a dense cloud (16 pairs a voxel); as a whole layer it was faster than
-gmas only at 4 -> 16 on small clouds given their map (0.70-0.94x), where the
-implicit GEMM was faster still, so ``dataflow="auto"`` never picks it.
+large ones). Measured here, the atomics and their waits dominate: as a whole
+layer it beat gather-GEMM-scatter only at the smallest channel counts on small
+clouds given their map, where the implicit GEMM was faster still, so
+``dataflow="auto"`` never picks it (figures: ``docs/performance.md``,
+"dataflows/fetch_on_demand.py").
 
 Numba exposes no tensor-core (``mma``) intrinsics, so the products here run on
 the CUDA cores as fp32 fused multiply-adds, whatever the feature dtype; the
@@ -136,6 +134,12 @@ The ladder, one idea a rung (reading order; the library runs the last):
           from global memory, one atomic add (the definition)
     v2  + shared-memory tiles of the fetched rows and of W[k], a register
           micro-tile of RP pairs x RN channels per thread (the library's)
+
+The layout of this module: argument checks, the reference
+(:func:`fetch_on_demand_reference`), the plan (:class:`FetchPlan`,
+:func:`fetch_plan`), the ladder (:func:`fetch_on_demand_v1`, :func:`fetch_on_demand_v2` with
+its tiles :func:`v2_tiles`) and the launchers (:func:`fetch_on_demand_cuda`;
+:func:`fetch_on_demand_rung` runs any rung).
 """
 from __future__ import annotations
 
@@ -149,6 +153,7 @@ from numba import cuda, float32, int32
 from ..core.device import device_xp, simulating
 from ..core.backend import filled, to_device, to_host
 from ..core.launch import launch
+from ..core.rungs import Ladder, Rung
 from ..core.tensor import FEATURE_DTYPES
 
 FLOAT_DTYPES = FEATURE_DTYPES  # the feature dtypes, defined once (numba_sc.core.tensor)
@@ -386,7 +391,7 @@ def fetch_on_demand_reference(features, weight, table, init=None, skip=-1):
 
 # ------------------------------------------------------------------- the ladder
 @cuda.jit
-def fetch_v1(features, weight, in_rows, out_rows, block_offset, block_start, block_stop, tile_p, out):
+def fetch_on_demand_v1(features, weight, in_rows, out_rows, block_offset, block_start, block_stop, tile_p, out):
     """v1, the definition: one thread per (pair, output channel).
 
     Thread t takes slot ``j`` of plan block ``b`` and channel ``n``; the block
@@ -421,13 +426,13 @@ def fetch_v1(features, weight, in_rows, out_rows, block_offset, block_start, blo
                 cuda.atomic.add(out, (out_rows[pair], n), acc)
 
 
-Tiles = namedtuple("Tiles", "p n k rp rn")
-Tiles.__doc__ = """v2's compile-time tile sizes: a block computes ``p`` pairs x ``n``
+FetchTiles = namedtuple("FetchTiles", "p n k rp rn")
+FetchTiles.__doc__ = """v2's compile-time tile sizes: a block computes ``p`` pairs x ``n``
 output channels, walking C_in ``k`` channels at a time; each thread owns ``rp``
 pairs x ``rn`` channels of the block's tile (``(p / rp) * (n / rn)`` threads)."""
 
 
-def v2_tiles(c_in: int, c_out: int, simulated=None) -> Tiles:
+def v2_tiles(c_in: int, c_out: int, simulated=None) -> FetchTiles:
     """The tiles v2 runs with for these channel counts (``simulated=None``: this
     machine's choice; True / False force the simulator's or the GPU's tiles).
 
@@ -452,22 +457,22 @@ def v2_tiles(c_in: int, c_out: int, simulated=None) -> Tiles:
     simulated = simulating() if simulated is None else simulated
     depth = next((d for d in (4, 8, 16) if c_in <= d), 32)
     if simulated:
-        return Tiles(8, 8, min(depth, 8), 4, 2)
+        return FetchTiles(8, 8, min(depth, 8), 4, 2)
     if c_out <= 8:
-        return Tiles(64, 8, depth, 4, 1)
+        return FetchTiles(64, 8, depth, 4, 1)
     if c_out <= 16:
-        return Tiles(64, 16, depth, 4, 2)
+        return FetchTiles(64, 16, depth, 4, 2)
     if c_out <= 32:
-        return Tiles(64, 32, depth, 4, 2)
+        return FetchTiles(64, 32, depth, 4, 2)
     if c_out <= 64:
-        return Tiles(64, 64, depth, 4, 4)
-    return Tiles(64, 128, depth, 4, 8)
+        return FetchTiles(64, 64, depth, 4, 4)
+    return FetchTiles(64, 128, depth, 4, 8)
 
 
 @cache
-def fetch_kernel_v2(tiles: Tiles):
+def fetch_on_demand_v2(tiles: FetchTiles):
     """v2, the library's: v1's arithmetic done by tiles in shared memory, with a
-    register micro-tile per thread. Compiled once per :class:`Tiles` (the shared
+    register micro-tile per thread. Compiled once per :class:`FetchTiles` (the shared
     arrays and the register arrays need their sizes at compile time).
 
     Grid: one block per (plan block, tile of ``tiles.n`` output channels),
@@ -577,9 +582,6 @@ def fetch_kernel_v2(tiles: Tiles):
 
 
 # ------------------------------------------------------------------ launchers
-FETCH_RUNGS = ("v1", "v2")
-
-
 def _accumulator(init, n_out, c_out):
     """The float32 device array the atomics add into: a copy of ``init`` (never the
     caller's array itself) or zeros."""
@@ -589,7 +591,8 @@ def _accumulator(init, n_out, c_out):
     return xp.array(to_device(init), dtype=np.float32, copy=True)
 
 
-def fetch_rung(rung: str, features, weight, plan: FetchPlan, n_out: int, init=None, tiles: Tiles = None):
+def fetch_on_demand_rung(rung: str, features, weight, plan: FetchPlan, n_out: int, init=None,
+                         tiles: FetchTiles = None):
     """Run one rung of the ladder (``"v1"``, ``"v2"``) on a plan; returns the
     (n_out, C_out) output as a device array of the features' dtype.
 
@@ -599,8 +602,8 @@ def fetch_rung(rung: str, features, weight, plan: FetchPlan, n_out: int, init=No
     its ``tile_p`` should be a multiple of ``tiles.p`` (the default 64 is, on the
     GPU), else the last kernel tile of every plan block leaves threads idle.
     """
-    if rung not in FETCH_RUNGS:
-        raise ValueError(f"rung must be one of {FETCH_RUNGS}, got {rung!r}")
+    if rung not in LADDER.names:
+        raise ValueError(f"rung must be one of {LADDER.names}, got {rung!r}")
     if not isinstance(plan, FetchPlan):
         raise TypeError(f"plan must be a FetchPlan (from fetch_plan), got {type(plan).__name__}")
     _check_features_weight(features, weight, plan.K)
@@ -614,12 +617,12 @@ def fetch_rung(rung: str, features, weight, plan: FetchPlan, n_out: int, init=No
         arrays = tuple(to_device(a) for a in (plan.in_rows, plan.out_rows, plan.block_offset,
                                               plan.block_start, plan.block_stop))
         if rung == "v1":
-            launch(fetch_v1, plan.n_blocks * plan.tile_p * c_out, f, wt, *arrays, plan.tile_p, out)
+            launch(fetch_on_demand_v1, plan.n_blocks * plan.tile_p * c_out, f, wt, *arrays, plan.tile_p, out)
         else:
             tiles = tiles or v2_tiles(c_in, c_out)
             threads = (tiles.p // tiles.rp) * (tiles.n // tiles.rn)
             blocks = plan.n_blocks * -(-c_out // tiles.n)  # (plan block, channel tile) pairs
-            launch(fetch_kernel_v2(tiles), 1, f, wt, *arrays, out, threads=threads, blocks=blocks)
+            launch(fetch_on_demand_v2(tiles), 1, f, wt, *arrays, out, threads=threads, blocks=blocks)
     # float16: the one extra pass from the float32 sums (see the module docstring)
     return out if f.dtype == np.float32 else out.astype(f.dtype)
 
@@ -631,9 +634,35 @@ def fetch_on_demand_cuda(features, weight, plan: FetchPlan, n_out: int, init=Non
     modified. Returns a device array (n_out, C_out) of the features' dtype: CuPy
     on a GPU, NumPy under the simulator. Sums run in fp32 through atomics, so
     the last bits may differ from run to run (module docstring)."""
-    return fetch_rung("v2", features, weight, plan, n_out, init)
+    return fetch_on_demand_rung("v2", features, weight, plan, n_out, init)
 
 
-__all__ = ["FETCH_RUNGS", "FetchPlan", "Tiles", "block_table", "default_tile_p", "fetch_kernel_v2",
-           "fetch_on_demand_cuda", "fetch_on_demand_reference", "fetch_plan", "fetch_plan_reference",
-           "fetch_rung", "fetch_v1", "plan_kernel", "v2_tiles"]
+__all__ = ["FetchPlan", "FetchTiles", "LADDER", "block_table", "default_tile_p", "fetch_on_demand_cuda",
+           "fetch_on_demand_reference", "fetch_on_demand_rung", "fetch_on_demand_v1", "fetch_on_demand_v2",
+           "fetch_plan", "fetch_plan_reference", "plan_kernel", "v2_tiles"]
+
+
+# -------------------------------------------------------------------- the ladder
+# A whole 3x3x3 submanifold layer outside the centre, added onto ``init`` (the
+# centre product): float sums in another order than the reference's, so a tolerance.
+def _ladder_work(ctx):
+    layer = ctx.layer()
+    km = layer["km"]
+    plan = ctx.memo("fetch_plan", lambda: fetch_plan(km.table, km.host_counts(), skip=layer["centre"]))
+    return dict(layer, fetch_plan=plan)
+
+
+def _rung(name, adds):
+    return Rung(name, lambda w: fetch_on_demand_rung(name, w["features"], w["weight"], w["fetch_plan"],
+                                                     w["features"].shape[0], w["init"]), adds)
+
+
+LADDER = Ladder(
+    "fetch_on_demand",
+    (_rung("v1", "one thread per (pair, output channel): global reads, one atomic add each"),
+     _rung("v2", "+ the fetched rows and W[k] in shared memory, a register tile per thread (the library's)")),
+    workload=_ladder_work,
+    reference=lambda w: fetch_on_demand_reference(to_host(w["features"]), to_host(w["weight"]),
+                                                  to_host(w["km"].table), to_host(w["init"]), w["centre"]),
+    tolerance={"float32": 1e-5, "float16": 2e-3},
+)

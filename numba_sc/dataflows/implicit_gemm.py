@@ -93,28 +93,9 @@ masks leave; :func:`plan_work` counts it), ``s`` splits:
   peak. Read as two 16-byte vector loads, the same 8 values cost 3 wavefronts
   (the warp's row values are a broadcast), below the 4 clocks of its FMAs. A
   larger tile (8x8) needs 64 sums in registers: in this kernel it spilled and
-  ran slower. What is left is instructions: an earlier version of this kernel
-  (one load per value, a loop step per channel) issued on two cycles in three
-  with the FMA pipe under 30% busy (Nsight Compute, SemanticKITTI, 128
-  channels), the rest being index arithmetic, each chunk's loads and the
-  barriers around them; the vector loads and the unrolled steps took about a
-  fifth off its time.
-
-Measured on the H100 (2026-11-24, ``benchmarks/results/alternatives_h100_2026-11-24.json``;
-Nsight Compute at feb986c, before the last tuning; 64 -> 64 fp32, the map given):
-
-* SemanticKITTI: this kernel 488 us at 7.0 TFLOP/s (the FMA pipe 30 % busy),
-  against gather-GEMM-scatter's six kernels, 213 us in all: on a sparse scan
-  (2 pairs a voxel outside the centre) the buffers are small and cuBLAS's
-  SGEMM runs at ~23 TFLOP/s, so r x the arithmetic on slower FMAs loses.
-* the dense cloud (1M random voxels at stride 4: 635k voxels, 16 pairs a
-  voxel): 8.9 ms at 12.6 TFLOP/s (21 % of the FP32 peak, FMA pipe 36 %, r =
-  1.33), against gather-GEMM-scatter's 7.6 ms, of which its gather alone took
-  2.7 ms and its scatter 1.0 ms. Wall clock, whole layer (tuned kernel): 0.72x
-  gmas's time at 32 -> 32 and 0.85x at 64 -> 64 in fp32, the rows where
-  ``dataflow="auto"`` picks it; spconv's MaskImplicitGemm, the same dataflow on
-  tensor cores, is 1.1-1.5x faster still in fp32 and 2-3x in fp16. Closing that
-  needs the ``mma`` instructions Numba does not expose.
+  ran slower. What is left is instructions: index arithmetic, each chunk's
+  loads and the barriers around them, which the vector loads and the unrolled
+  channel steps cut.
 
 The ladder, one idea a rung (all checked against :func:`implicit_gemm_reference`):
 
@@ -124,13 +105,26 @@ The ladder, one idea a rung (all checked against :func:`implicit_gemm_reference`
           ``TILE_K x TILE_N`` piece of ``W[k]``, reused by the whole block
     v3  + the sorted bitmask order and tile-mask skips (splits are separate
           launches), and a register tile of ``THREAD_M x THREAD_N`` outputs per
-          thread read with vector loads (the library's)
+          thread read with vector loads (the library's). What it bought: on the
+          dense cloud (1M random voxels at stride 4), 32 -> 32 fp32 with the map
+          given, the whole layer in 0.72x gather-GEMM-scatter's wall-clock time
+          (H100, 2026-11-24)
 
 Expect v2 to be *slower* than v1 on a sparse map: a v1 thread skips each
 missing neighbour by itself, while a v2 block, which has no masks, multiplies
 all K offsets for every tile, most of them zeros (a 3x3x3 layer on a LiDAR scan
 has about 3 pairs per output, the centre included, not 27). The masks of v3 are
 what turn the tiles into a gain.
+
+The layout of this module: the tiles and their choice (:class:`Tiles`,
+:func:`implicit_tiles`), argument checks, the reference
+(:func:`implicit_gemm_reference`), the plan (:class:`ImplicitPlan`,
+:func:`implicit_plan` and its NumPy reference), the ladder (:func:`implicit_gemm_v1`,
+:func:`implicit_gemm_v2`, :func:`implicit_gemm_v3`) and the launcher
+(:func:`implicit_gemm_cuda`; :func:`implicit_gemm_rung` runs any rung).
+
+Measured figures (Nsight Compute, against gather-GEMM-scatter and spconv):
+``docs/performance.md``, "dataflows/implicit_gemm.py".
 """
 from __future__ import annotations
 
@@ -144,6 +138,7 @@ from numba import cuda, float32, int32, int64
 from ..core.device import device_xp, simulating
 from ..core.backend import to_device, to_host
 from ..core.launch import launch
+from ..core.rungs import Ladder, Rung
 from ..core.conventions import MASK_BITS, mask_words
 from ..core.tensor import FEATURE_DTYPES
 
@@ -468,7 +463,7 @@ def plan_work(plan: ImplicitPlan, table) -> dict:
 
 # ------------------------------------------------------------------- the ladder
 @cuda.jit
-def implicit_v1(features, weight, table, skip, base, has_base, out):
+def implicit_gemm_v1(features, weight, table, skip, base, has_base, out):
     """v1, the definition: one thread per (output i, output channel n) walks every
     offset and every input channel, reading features, table and weights from global
     memory; a float32 sum, started from ``base[i, n]`` when ``has_base``, stored once.
@@ -495,8 +490,8 @@ def implicit_v1(features, weight, table, skip, base, has_base, out):
 
 
 @cache
-def implicit_v2_kernel(tile_m: int, tile_n: int, tile_k: int):
-    """v2: :func:`implicit_v1`'s sums, computed by tiles in shared memory.
+def implicit_gemm_v2(tile_m: int, tile_n: int, tile_k: int):
+    """v2: :func:`implicit_gemm_v1`'s sums, computed by tiles in shared memory.
 
     A block of ``tile_m x tile_n`` threads owns that tile of the output (outputs in
     their natural order, one value per thread). For every offset and every chunk of
@@ -558,8 +553,8 @@ def implicit_v2_kernel(tile_m: int, tile_n: int, tile_k: int):
 
 
 @cache
-def implicit_kernel(tile_m: int, tile_n: int, tile_k: int, thread_m: int, thread_n: int,
-                    prefetch: bool = True):
+def implicit_gemm_v3(tile_m: int, tile_n: int, tile_k: int, thread_m: int, thread_n: int,
+                     prefetch: bool = True):
     """v3, the library's: v2's shared-memory tiles, plus
 
     * **the plan's order and tile masks**: row slot ``j`` of the tile computes output
@@ -721,7 +716,7 @@ def _check_plan(plan, K, n_out):
 
 
 def implicit_gemm_cuda(features, weight, table, plan, init=None, *, tiles: Tiles | None = None):
-    """Device version (v3, the library's): one launch of :func:`implicit_kernel` per
+    """Device version (v3, the library's): one launch of :func:`implicit_gemm_v3` per
     mask split of ``plan``. Returns the (n_out, C_out) output, of the features' dtype
     and on the device side; ``init`` is read, never modified.
 
@@ -736,7 +731,7 @@ def implicit_gemm_cuda(features, weight, table, plan, init=None, *, tiles: Tiles
     if n_out == 0:
         return out
     tiles = tiles or implicit_tiles(plan.tile_m, c_in, c_out)
-    kernel = implicit_kernel(plan.tile_m, *tiles)
+    kernel = implicit_gemm_v3(plan.tile_m, *tiles)
     threads = (plan.tile_m // tiles.thread_m) * (tiles.tile_n // tiles.thread_n)
     blocks = plan.n_tiles * _cdiv(c_out, tiles.tile_n)
     # Between splits the running sum stays in float32 (fp16: one rounding at the end).
@@ -751,14 +746,14 @@ def implicit_gemm_cuda(features, weight, table, plan, init=None, *, tiles: Tiles
     return out
 
 
-def implicit_rung(rung: str, features, weight, table, plan, init=None):
+def implicit_gemm_rung(rung: str, features, weight, table, plan, init=None):
     """Run one rung of the ladder (``"v1"`` .. ``"v3"``); returns the (n_out, C_out)
     output on the device side. v1 and v2 read only the plan's ``skip``; v3 is
     :func:`implicit_gemm_cuda`."""
     if rung == "v3":
         return implicit_gemm_cuda(features, weight, table, plan, init)
-    if rung not in IMPLICIT_RUNGS:
-        raise ValueError(f"rung must be one of {IMPLICIT_RUNGS}, got {rung!r}")
+    if rung not in LADDER.names:
+        raise ValueError(f"rung must be one of {LADDER.names}, got {rung!r}")
     K, n_out, _, c_out = check_inputs(features, weight, table, init)
     _check_plan(plan, K, n_out)
     xp = device_xp()
@@ -768,13 +763,36 @@ def implicit_rung(rung: str, features, weight, table, plan, init=None):
         return out
     base = to_device(init) if init is not None else out
     if rung == "v1":
-        launch(implicit_v1, n_out * c_out, f, w, t, plan.skip, base, init is not None, out)
+        launch(implicit_gemm_v1, n_out * c_out, f, w, t, plan.skip, base, init is not None, out)
     else:
         tm, tn, tk = SIM_V2_TILE if simulating() else GPU_V2_TILE
         blocks = _cdiv(n_out, tm) * _cdiv(c_out, tn)
-        launch(implicit_v2_kernel(tm, tn, tk), 1, f, w, t, plan.skip, base, init is not None, out,
+        launch(implicit_gemm_v2(tm, tn, tk), 1, f, w, t, plan.skip, base, init is not None, out,
                threads=tm * tn, blocks=blocks)
     return out
 
 
-IMPLICIT_RUNGS = ("v1", "v2", "v3")
+# -------------------------------------------------------------------- the ladder
+# A whole 3x3x3 submanifold layer outside the centre, added onto ``init`` (the
+# centre product): float sums in another order than the reference's, so a tolerance.
+def _ladder_work(ctx):
+    layer = ctx.layer()
+    plan = ctx.memo("implicit_plan", lambda: implicit_plan(layer["km"].table, skip=layer["centre"]))
+    return dict(layer, implicit_plan=plan)
+
+
+def _rung(name, adds):
+    return Rung(name, lambda w: implicit_gemm_rung(name, w["features"], w["weight"], w["km"].table,
+                                                   w["implicit_plan"], w["init"]), adds)
+
+
+LADDER = Ladder(
+    "implicit_gemm",
+    (_rung("v1", "one thread per (output, output channel) over every offset and input channel"),
+     _rung("v2", "+ shared-memory tiles of the gathered rows and of W[k]"),
+     _rung("v3", "+ outputs sorted by offset mask, tiles skip absent offsets, a register tile (the library's)")),
+    workload=_ladder_work,
+    reference=lambda w: implicit_gemm_reference(to_host(w["features"]), to_host(w["weight"]),
+                                                to_host(w["km"].table), to_host(w["init"]), w["centre"]),
+    tolerance={"float32": 1e-5, "float16": 2e-3},
+)

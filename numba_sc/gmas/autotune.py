@@ -123,11 +123,10 @@ def search_tiles(samples, c_out, timer, rounds=5, warmup=True):
     alternating directions), rather than each candidate timing all its rounds
     before the next starts. A shared GPU slows down in bursts, and a burst of a
     few milliseconds then costs each candidate one round, which the median
-    drops, instead of all the rounds of the unlucky candidates. (Seen on the
-    H100, run in a row: a burst during the fp16 128-channel gather's candidates
-    4 to 64 made it pick a tile of 128, which ran the layer's gather in 218 us
-    where tile 32 takes 117.) ``warmup``: one untimed call of every candidate
-    first, which also compiles its kernel.
+    drops, instead of all the rounds of the unlucky candidates (a case seen with
+    rounds run in a row: ``docs/performance.md``, "gmas/autotune.py").
+    ``warmup``: one untimed call of every candidate first, which also compiles
+    its kernel.
     """
     xp = device_xp()
     c_in = samples[0][0].shape[1]

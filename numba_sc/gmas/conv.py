@@ -61,12 +61,13 @@ from .autotune import TileChoice, cached, gpu_time_once, heuristic_tile, layer_k
 from ..core.device import array_module, device_xp, simulating
 from ..core.backend import like, resolve_backend, to_device, to_host
 from .gather import check_tile, gather_cuda, gather_reference
-from ..map.kernel_map import build_kernel_map, layer_arguments
+from ..map.kernel_map import KernelMap, build_kernel_map, layer_arguments
 from .metadata import build_plan, centre_offset, submanifold_centre
 from ..dataflows.fetch_on_demand import fetch_on_demand_cuda, fetch_on_demand_reference, fetch_plan
 from ..dataflows.implicit_gemm import implicit_gemm_cuda, implicit_gemm_reference, implicit_plan
 from .scatter import scatter_cuda, scatter_reference
 from ..core.tensor import FEATURE_DTYPES, SparseTensor, same_coordinates
+from ..core.conventions import Array, IntOr3
 
 __all__ = ["SparseTensor", "sparse_conv3d", "autotune", "gmas", "resolve_tiles", "FEATURE_DTYPES",
            "choose_dataflow"]
@@ -87,6 +88,16 @@ def check_weight(weight, K, c_in, dtype, kernel_size, layer=None):
         raise TypeError(
             f"{where}weight is {weight.dtype} but the features are {np.dtype(dtype)}; both must have "
             f"the same dtype: use weight.astype(np.{np.dtype(dtype).name})")
+
+
+def check_layer_name(layer):
+    """``layer`` names a layer in the caches (tiles, dataflow choices): None or a hashable
+    value, usually a string."""
+    try:
+        hash(layer)
+    except TypeError:
+        raise TypeError(f"layer must be a name for the layer, e.g. a string such as 'enc1' (or None), "
+                        f"got {layer!r}") from None
 
 
 def _where(layer):
@@ -183,7 +194,7 @@ def layer_plan(km, sort, max_padding, solo_rows, launch_rows, priced_rows, backe
     the map is.
     """
     key = (sort, max_padding, solo_rows, launch_rows, backend)
-    kept = getattr(km, "_plan", None)
+    kept = getattr(km, "kept_plan", None)
     if kept is not None and kept[0] == key:
         return kept[1]
     plan = build_plan(km, sort, max_padding, solo_rows, backend=backend, launch_rows=priced_rows)
@@ -345,10 +356,12 @@ def _pick_dataflow(dataflow, layer, f, w, km, transposed, training, map_given, c
     return ch.dataflow_for(key, c_in, c_out, f.dtype, n_out, map_given, per_output)
 
 
-def sparse_conv3d(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False,
-                  kernel_map=None, backend=None, tile_size=None, layer=None,
-                  sort_offsets=True, max_padding=gg.DEFAULT_MAX_PADDING,
-                  solo_rows=gg.DEFAULT_SOLO_ROWS, launch_rows=None, dataflow="auto") -> SparseTensor:
+def sparse_conv3d(x: SparseTensor, weight: Array, kernel_size: IntOr3 = 3, stride: IntOr3 = 1,
+                  dilation: IntOr3 = 1, transposed: bool = False, kernel_map: KernelMap | None = None,
+                  backend: str | None = None, tile_size: int | tuple[int, int] | None = None,
+                  layer: str | None = None, sort_offsets: bool = True,
+                  max_padding: float = gg.DEFAULT_MAX_PADDING, solo_rows: int = gg.DEFAULT_SOLO_ROWS,
+                  launch_rows: int | None = None, dataflow: str = "auto") -> SparseTensor:
     """3D sparse convolution of ``x`` (a :class:`SparseTensor`) with ``weight``.
 
     Parameters
@@ -404,6 +417,7 @@ def convolve(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False, k
     """:func:`sparse_conv3d`, and ``keep_plan``: keep the plan on a map the layer builds
     itself (:mod:`numba_sc.nn` keeps every map it builds, for the layers after it)."""
     bk = resolve_backend(backend)
+    check_layer_name(layer)
     queued = []  # (centre, product) when queued during the Map step's read
 
     def queue_centre(m, f, w):
@@ -476,6 +490,7 @@ def autotune(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False,
     unless ``timer(fn) -> seconds`` (the time of one call) is given.
     """
     bk = resolve_backend(backend)
+    check_layer_name(layer)
     tensors = [x] + list(samples or []) if kernel_map is None else [x]
     prepared = [prepare_layer(s, weight, kernel_size, stride, dilation, transposed,
                                kernel_map, bk) for s in tensors]
@@ -515,6 +530,7 @@ def choose_dataflow(x, weight, kernel_size=3, stride=1, dilation=1, transposed=F
     ``timer(fn) -> seconds`` is given (how the tests drive the measurement).
     """
     bk = resolve_backend(backend)
+    check_layer_name(layer)
 
     def run(d):
         return lambda: convolve(x, weight, kernel_size, stride, dilation, transposed, kernel_map, bk,

@@ -15,7 +15,7 @@ The tile size trades two costs (Section 5.2.1):
 * there are ``|P| * C_in / T`` threads: a smaller T gives more parallelism,
   which a big GPU needs when the cloud is small.
 
-Hence the autotuner (:mod:`numba_sc.autotune`) tries every divisor of C_in.
+Hence the autotuner (:mod:`numba_sc.gmas.autotune`) tries every divisor of C_in.
 
 Which entries: Algorithm 1 walks all K offsets of a dense table row, most of
 them empty on a sparse cloud. Here the metadata are compressed per point
@@ -51,19 +51,24 @@ channels is two 64-bit loads and two stores per row instead of eight of each).
 The threads, and what each one covers, stay the same; only the instruction
 count changes (:mod:`numba_sc.core.words`).
 
-The ladder, one idea a rung (``python -m numba_sc ladder gather`` times them):
+The ladder, one idea a rung (``python -m numba_sc ladder gather`` times them),
+each with what it bought on SemanticKITTI at 0.05 m (94,444 voxels, a 3x3x3
+layer), 64 channels, the library's tile (H100, 2026-11-24):
 
     v1  Algorithm 1: each thread walks its point's row of the dense input table
+          (:func:`gather_v1`)
     v2  + the per-point lists: a mask and the rows that exist, not K entries
+          (:func:`gather_v2`); fp32 170 -> 159 us
     v3  + the tile size and tiles per row compiled in, the tile in registers,
-          unsigned index arithmetic
-    v4  + whole 8- or 4-byte words instead of channels (the library's)
+          unsigned index arithmetic (:func:`gather_v3`); fp32 159 -> 81 us
+    v4  + whole 8- or 4-byte words instead of channels (:func:`gather_v4`:
+          v3 given a word type; the library's); fp16 159 -> 43 us
 
-On the H100, SemanticKITTI at 0.05 m (94,444 voxels, a 3x3x3 layer), 64 channels,
-the library's tile: fp32 170 -> 159 -> 81 -> 65 us, fp16 176 -> 166 -> 159 -> 43 us
-(``benchmarks/results/ladder_kitti_h100_2026-11-24.json``). On this sparse scan
-the lists save little (v2); in fp16 the compiled sizes save little too, because
-a thread still moves 16 channels one by one, until v4 moves them as words.
+On this sparse scan the lists save little (v2); in fp16 the compiled sizes save
+little too, because a thread still moves 16 channels one by one, until v4 moves
+them as words. The launchers: :func:`gather_cuda` (the library's),
+:func:`gather_rung` (any rung), :func:`gather` (reference or device). Fuller
+figures: ``docs/performance.md``, "gmas/gather.py".
 """
 from __future__ import annotations
 
@@ -73,8 +78,9 @@ import numpy as np
 from numba import cuda, float32, from_dtype, uint64
 
 from ..core.device import device_xp, simulating
-from ..core.backend import resolve_backend, to_device
+from ..core.backend import resolve_backend, to_device, to_host
 from ..core.launch import launch
+from ..core.rungs import Ladder, Rung
 from .metadata import as_point_lists
 from ..core.words import as_words, row_words
 
@@ -112,7 +118,7 @@ def gather_reference(features, in_table, rows, tile=None):
 
 # ------------------------------------------------------------------- the ladder
 # Four rungs, each adding one thing to the one before; every rung is checked
-# against gather_reference (tests/test_ladder.py) and timed by
+# against gather_reference (tests/tools/test_ladder.py) and timed by
 # ``python -m numba_sc ladder gather``. The library runs v4 (v3 where a tile
 # is not a whole number of words).
 
@@ -147,9 +153,7 @@ def gather_v2(features, in_masks, buffered, in_slots, tile, buf):
     point's offsets with a pair are the set bits of its mask word(s), and its
     rows are listed in ``in_slots[:, p]`` (:class:`numba_sc.gmas.metadata.PointLists`,
     PCEngine's compression, which Minuet names as combining with its own
-    ideas): a thread reads one mask and then only the rows that exist. Measured
-    when it came in (H100, Nsight Compute, 1M random voxels, 64 channels): the
-    gather 357 -> 123 us, and the metadata stage that writes the lists 313 -> 204 us.
+    ideas): a thread reads one mask and then only the rows that exist.
     """
     t = cuda.grid(1)
     tiles = features.shape[1] // tile
@@ -166,8 +170,8 @@ def gather_v2(features, in_masks, buffered, in_slots, tile, buf):
 
 
 @lru_cache(maxsize=None)
-def gather_kernel(tile: int, tiles: int, word=None):
-    """v3 (``word=None``) and v4: the gather kernel compiled for one tile size, one
+def gather_v3(tile: int, tiles: int, word=None):
+    """v3 (``word=None``) and v4 (:func:`gather_v4`): the gather kernel compiled for one tile size, one
     number of tiles per row (channels / tile) and one kind of element.
 
     **v3** makes the three compile-time constants:
@@ -178,20 +182,18 @@ def gather_kernel(tile: int, tiles: int, word=None):
       constant a multiply and a shift;
     * ``word=None`` for float features (held as fp32, which holds fp16 exactly).
 
-    Measured when it came in (H100, Nsight Compute, 1M voxels): fp16 256 channels
-    332 -> 244 us, fp32 64 channels 121 -> 106 us; unsigned index arithmetic
-    then saved the wraparound test of every signed index.
+    Unsigned index arithmetic then saves the wraparound test of every signed
+    index.
 
     **v4** (``word`` a signed NumPy integer type) moves bytes, not channels: the
     features and the buffer are handed over as word views
     (:func:`numba_sc.core.words.word_view`) and ``tile`` counts 8- or 4-byte words, so a
     fp16 tile of 8 channels is two loads and two stores per row instead of eight
-    of each. Measured when it came in: fp16 64 channels on SemanticKITTI 54 -> 22
-    us, 256 channels on 1M voxels 428 -> 332 us.
+    of each.
     """
     held = float32 if word is None else from_dtype(np.dtype(word))
     # Unsigned constants keep the index arithmetic unsigned (see
-    # numba_sc.gmas.metadata.lists_kernel: a signed index costs a wraparound test per access)
+    # numba_sc.gmas.metadata.metadata_v2: a signed index costs a wraparound test per access)
     per_thread, per_row = np.uint64(tile), np.uint64(tiles)
 
     @cuda.jit
@@ -224,8 +226,15 @@ def gather_kernel(tile: int, tiles: int, word=None):
     return gather
 
 
+def gather_v4(tile: int, tiles: int, word=None):
+    """v4, the library's: :func:`gather_v3` given a word type, so that ``tile`` counts
+    8- or 4-byte words (``word=None``, for a tile that is not a whole number of
+    words, gives v3)."""
+    return gather_v3(tile, tiles, word)
+
+
 def gather_cuda(features, in_lists, rows, tile, zero_padding=False):
-    """Device version, the library's: one launch of :func:`gather_kernel` (v4, or v3
+    """Device version, the library's: one launch of :func:`gather_v4` (v4, or v3
     when a tile is not a whole number of words) for all offsets.
 
     ``in_lists``: a plan's :class:`~numba_sc.gmas.metadata.PointLists` (``plan.in_lists``),
@@ -246,7 +255,7 @@ def gather_cuda(features, in_lists, rows, tile, zero_padding=False):
         if word is not None:  # the same bytes, as rows of words
             src, dst = as_words(f, f.shape[0], per_row, word), as_words(buf, rows, per_row, word)
         tiles = f.shape[1] // tile
-        launch(gather_kernel(tile_words, tiles, word), f.shape[0] * tiles, src,
+        launch(gather_v4(tile_words, tiles, word), f.shape[0] * tiles, src,
                to_device(in_lists.masks), to_device(in_lists.buffered), to_device(in_lists.slots), dst)
     return buf
 
@@ -268,14 +277,11 @@ def gather_rung(rung: str, features, plan, tile):
         launch(gather_v2, n, f, to_device(lists.masks), to_device(lists.buffered), to_device(lists.slots),
                tile, buf)
     elif rung == "v3":
-        launch(gather_kernel(tile, f.shape[1] // tile), n, f, to_device(lists.masks), to_device(lists.buffered),
+        launch(gather_v3(tile, f.shape[1] // tile), n, f, to_device(lists.masks), to_device(lists.buffered),
                to_device(lists.slots), buf)
     else:
-        raise ValueError(f"rung must be one of {GATHER_RUNGS}, got {rung!r}")
+        raise ValueError(f"rung must be one of {LADDER.names}, got {rung!r}")
     return buf
-
-
-GATHER_RUNGS = ("v1", "v2", "v3", "v4")
 
 
 def gather(features, in_table, rows, tile=1, backend=None):
@@ -284,3 +290,26 @@ def gather(features, in_table, rows, tile=1, backend=None):
     if resolve_backend(backend) == "reference":
         return gather_reference(features, np.asarray(in_table), rows, tile)
     return gather_cuda(features, in_table, rows, tile)
+
+
+# -------------------------------------------------------------------- the ladder
+def _written_rows(w):
+    """The buffer rows the plan's input table points at (a gather writes those and no padding)."""
+    t = to_host(w["plan"].in_table)
+    return np.unique(t[t >= 0])
+
+
+def _rung(name, adds):
+    return Rung(name, lambda w: gather_rung(name, w["features"], w["plan"], w["tile"]), adds)
+
+
+LADDER = Ladder(
+    "gather",
+    (_rung("v1", "Algorithm 1: each thread walks its point's row of the dense input table"),
+     _rung("v2", "+ per-point lists: a mask and only the rows that exist"),
+     _rung("v3", "+ sizes compiled in, the tile in registers, unsigned indices"),
+     _rung("v4", "+ whole 8/4-byte words instead of channels (the library's)")),
+    workload=lambda ctx: ctx.layer(),  # one 3x3x3 submanifold layer: its plan, features and tile
+    reference=lambda w: gather_reference(to_host(w["features"]), to_host(w["plan"].in_table), w["plan"].rows),
+    written=_written_rows,
+)

@@ -36,8 +36,8 @@ batched GEMMs with 5.9 % padding in sorted order, against 17 in map order.
 
 **A launch has a price too** (``launch_rows``). On a small cloud the GPU
 finishes each kernel faster than the host issues the next one: there a batched
-GEMM costs ~12 us of host time to launch (cuBLAS's own share, measured on the
-H100), while the GPU would multiply thousands of padding rows in those 12 us.
+GEMM costs ~12 us of host time to launch (``LAUNCH_US``, cuBLAS's own share),
+while the GPU would multiply thousands of padding rows in that time.
 So the policy also extends a group when the padding the extension adds is at
 most ``launch_rows`` rows, the rows the GPU moves in the time one launch costs
 the host (:func:`launch_rows`: bytes per row at ~2.5 TB/s, or flops per row
@@ -45,14 +45,13 @@ when those take longer). Each such extension saves one launch. ``launch_rows=0``
 is the plain padding policy above (the default of the functions here and of
 :func:`numba_sc.gmas.metadata.build_plan`); :func:`numba_sc.sparse_conv3d` prices
 launches by its channels unless told otherwise. On the scan above, 64 -> 64
-channels in fp16 (``launch_rows`` ~117k): 2 GEMMs, 18 offsets of 3,239 rows and
-8 of 21,662, 15 % more rows than the 4 GEMMs, and the whole layer ~9 % less host
-time; 4 -> 16 in fp32 (~375k): 1 GEMM, 6-10 % faster; 256 -> 256 in fp32
-(~4.6k) keeps the 4 (H100, ``benchmarks/results/grouping_session7_h100_2026-11-23.json``).
+channels in fp16 (``launch_rows`` ~117k) gives 2 GEMMs, 18 offsets of 3,239 rows
+and 8 of 21,662; 4 -> 16 in fp32 (~375k) gives 1; 256 -> 256 in fp32 (~4.6k)
+keeps the 4 (what each saved: ``docs/performance.md``, "gmas/gemm_grouping.py").
 
 Every group is one batched GEMM, ``(G, rows, C_in) @ (G, C_in, C_out)``: cuBLAS
-through ``cupy.matmul`` on the GPU, ``np.matmul`` under the simulator and in the
-reference. On the GPU the groups are issued round-robin on a pool of 4 CUDA
+(called directly, :func:`grouped_gemm_cuda`) on the GPU, ``np.matmul`` under the
+simulator and in the reference. On the GPU the groups are issued round-robin on a pool of 4 CUDA
 streams so that small GEMMs overlap (Minuet found no gain beyond 4).
 
 Napkin math: the GEMMs read ``4 * rows * C_in`` bytes of buffer and write
@@ -77,7 +76,7 @@ STREAM_POOL = 4  # Minuet's pool size (Section 5.2.2)
 
 # What launch_rows weighs (NVIDIA H100, benchmarks/README.md "session 7"): the host
 # time of one batched cuBLAS GEMM issued by grouped_gemm_cuda (12.7 us for the bare
-# call, benchmarks/results/probe_host_costs_h100_2026-11-22.json), and what the GPU does
+# call, benchmarks/results/archive/probe_host_costs_h100_2026-11-22.json), and what the GPU does
 # meanwhile with padding rows: buffer bytes (memory bound, small channel counts) or
 # flops (large ones; fp32 without TF32, fp16 on tensor cores with fp32 sums).
 LAUNCH_US = 12.0
@@ -260,7 +259,7 @@ def _stream_pool(cupy):
 
 # cuBLAS is called directly rather than through ``cupy.matmul``: on the H100 a
 # batched ``cupy.matmul`` costs 28 us of host time against 13 us for the bare
-# cuBLAS call (benchmarks/results/probe_host_costs_*.json), and a layer makes
+# cuBLAS call (benchmarks/results/archive/probe_host_costs_*.json), and a layer makes
 # several. Row-major ``C = A @ W`` is, read column-major, ``C^T = W^T A^T``: so
 # cuBLAS is asked for ``m = C_out, n = rows, k = C_in`` with W as its first
 # operand, and no transposition is ever materialized.
@@ -363,8 +362,8 @@ def take_weights_kernel(weight, order, out):
 
 def take_weights_cuda(weight, order):
     """Device ``weight[order]`` with :func:`take_weights_kernel`: one launch through
-    the fast path, where ``cupy.take`` cost ~55 us of host time in a layer on the
-    H100 (the retired ``probe_timeline.py``, ``benchmarks/README.md``)."""
+    the fast path, cheaper in host time than ``cupy.take`` (``docs/performance.md``,
+    "Calling cuBLAS directly")."""
     K, c_in, c_out = weight.shape
     n = order.shape[0]
     out = device_xp().empty((n, c_in, c_out), dtype=weight.dtype)

@@ -33,10 +33,8 @@ the lists the kernels read (:class:`PointLists`)
     keeps them compressed, PCEngine's way (its coded CSR; Minuet, Section 6,
     names it as combining with its own ideas): per point, a bit mask of the
     offsets it has a pair at, and its rows, one per set bit, in offset order.
-    The gather and scatter threads then visit a point's real pairs only. On the
-    H100, 1M random voxels, 64 channels: gather 357 -> 123 us, scatter 388 ->
-    152 us, this stage 313 -> 204 us (Nsight Compute, same run). ``plan.in_table`` and
-    ``plan.out_table`` unpack the lists on demand.
+    The gather and scatter threads then visit a point's real pairs only.
+    ``plan.in_table`` and ``plan.out_table`` unpack the lists on demand.
 
 The submanifold centre: with stride 1 and ``Q = P``, offset (0, 0, 0) maps every
 point to itself, so its "gather" would copy the whole feature matrix in order.
@@ -59,11 +57,10 @@ The same example as lists (masks in binary, offset 0 the lowest bit)::
     out masks [0b11, 0b10, 0b11]   out rows: output 0 [0, 2], output 1 [3], output 2 [1, 4]
     in masks  [0b11, 0b11, 0b10]   in rows:  input 0  [1, 2], input 1  [0, 3], input 2  [4]
 
-How the device finds the ranks. The plain way (:func:`tables_v1`, v1 of this
+How the device finds the ranks. The plain way (:func:`metadata_v1`, v1 of this
 stage's ladder, writes the dense tables from it) is a scan of ``table >= 0`` along
 each offset's row, but a library scan over all K x |Q| entries is what used to
-dominate this stage (CuPy on an H100: 107 us for 27 x 94k, 854 us for 27 x 1M,
-``benchmarks/results/probe_host_costs_h100_2026-11-22.json``). Instead the outputs are cut
+dominate this stage. Instead the outputs are cut
 into *chunks* of ``CHUNK`` consecutive outputs (1024 on a GPU: 128 threads x 8
 outputs each), and the rank is split in two parts:
 
@@ -71,7 +68,7 @@ outputs each), and the rank is split in two parts:
    kernel path has them (``KernelMap.chunk_counts``: its forward search counted
    each pair where it found it); for any other map :func:`chunk_counts_kernel`
    counts them, one block per (k, c).
-2. :func:`lists_kernel`, one block per (k, c): the pairs of k in the chunks
+2. :func:`metadata_v2`, one block per (k, c): the pairs of k in the chunks
    before c (a sum over ``counts2d[k, :c]``) plus a scan over the block of the
    threads' own counts give each pair its rank; each thread walks its run of
    8 outputs again and writes each pair's row into its output's list and its
@@ -94,7 +91,7 @@ plan is the same run after run.
 GPU cost for K offsets, |Q| outputs and |P| inputs (int32 table; K = 27,
 |Q| = |P| = 94k makes 4K|Q| = 10 MB):
 
-* :func:`lists_kernel` reads the map twice (4K|Q| each; the K blocks of a chunk
+* :func:`metadata_v2` reads the map twice (4K|Q| each; the K blocks of a chunk
   run together, so the second read and the other offsets' reads mostly hit the
   L2), ``counts2d`` and, per pair, one mask word of its output and of its input
   (8 B each), and writes 4 bytes per pair into each side's list.
@@ -104,13 +101,30 @@ GPU cost for K offsets, |Q| outputs and |P| inputs (int32 table; K = 27,
 About 8K|Q| + 24 bytes a pair: ~25 MB for 94k points, ~230 MB for 1M, against
 ~430 MB when this stage wrote the dense (K, N) tables (and the gather and
 scatter then read all of them: 4K|P| + 4K|Q| more per channel tile). These are
-estimates from bytes moved; on the H100 the kernel was bound by its instruction
-issue rate (76 % on 1M points: index arithmetic and the block scan), not by
-memory, until it was compiled per K and block size with unsigned indices
-(:func:`lists_kernel`: 124M -> 54M warp instructions, 194 -> 133 us; 230 MB in
-133 us is still only 1.7 TB/s). The only device->host copy is the K pair counts, which the host needs
-anyway to size the buffers and shape the GEMMs; the base rows go the other way
-through pinned memory, without a sync.
+estimates from bytes moved; the kernel is in fact bound by its instruction
+issue rate (index arithmetic and the block scan), which is why it is compiled
+per K and block size with unsigned indices (:func:`metadata_v2`). The only
+device->host copy is the K pair counts, which the host needs anyway to size the
+buffers and shape the GEMMs; the base rows go the other way through pinned
+memory, without a sync.
+
+Layout of this module:
+
+* the plan: :class:`PointLists`, :class:`GmasPlan`, and the host part
+  (``_layout``: counts -> order, groups, base rows; the submanifold centre);
+* reference: :func:`build_plan_reference` (NumPy, the tables as defined above);
+* the ladder (``python -m numba_sc ladder metadata``):
+
+  - v1 :func:`metadata_v1` / :func:`build_tables_v1`: a library scan over all
+    K x |Q| entries, then dense tables;
+  - v2 :func:`metadata_v2` / :func:`build_plan_cuda`: chunk counts from the
+    forward search, a block scan, packed lists; compiled per K and block size.
+    What it bought: 228 -> 79 us on the SemanticKITTI scan, one 3x3x3 layer,
+    fp32 (H100, 2026-11-24);
+
+* the launcher: :func:`build_plan` (the reference or the device version, by backend).
+
+Measured figures and their history: ``docs/performance.md``, "gmas/metadata.py".
 """
 from __future__ import annotations
 
@@ -126,6 +140,7 @@ from ..core.device import device_xp, simulating
 from ..core.backend import filled, resolve_backend, to_device, to_device_async, to_host
 from ..core.pieces import as_array, piece
 from ..core.launch import launch
+from ..core.rungs import Ladder, Rung
 
 
 @dataclass
@@ -157,8 +172,7 @@ class PointLists:
         never written). Slot-major because the threads of a warp work on
         neighbouring points and read entry s of each at about the same time:
         neighbouring addresses. In the (N, K) layout they lay K * 4 bytes apart,
-        a memory sector each (the gather of a SemanticKITTI layer took 74 us on
-        the H100 that way, Nsight Compute).
+        a memory sector each.
     """
 
     slots: object
@@ -472,7 +486,7 @@ def masks_reference(table, n_in):
 
 def chunk_rank_reference(counts2d) -> np.ndarray:
     """Rank of each chunk's first pair within its offset: ``counts2d[k, :c].sum()``,
-    what each block of :func:`lists_kernel` adds up for itself. It equals
+    what each block of :func:`metadata_v2` adds up for itself. It equals
     ``rank[k, c * chunk]`` of the plain per-offset scan."""
     counts2d = np.asarray(counts2d, dtype=np.int64)
     return np.cumsum(counts2d, axis=1) - counts2d
@@ -480,7 +494,7 @@ def chunk_rank_reference(counts2d) -> np.ndarray:
 
 # ------------------------------------------------------------------------- v1
 @cuda.jit
-def tables_v1(table, rank, base, out_table, in_table):
+def metadata_v1(table, rank, base, out_table, in_table):
     """v1: one thread per entry (k, i) of the map; a pair writes its buffer row into
     both dense tables.
 
@@ -505,12 +519,12 @@ def tables_v1(table, rank, base, out_table, in_table):
 def build_tables_v1(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
                     solo_rows=gg.DEFAULT_SOLO_ROWS, direct_centre=True, launch_rows=0):
     """v1 on the device: the layout on the host, a library scan over all K x |Q|
-    entries, :func:`tables_v1`; returns ``(out_table, in_table)``, dense (N, K).
+    entries, :func:`metadata_v1`; returns ``(out_table, in_table)``, dense (N, K).
 
     What v2 (the library's :func:`build_plan_cuda`) changes, and why:
 
-    * **no library scan**: the scan of 27 x 94k entries cost ~107 us on the H100,
-      of 27 x 1M 854 us. v2 cuts the outputs into chunks, takes each chunk's pair
+    * **no library scan**: a scan over all K x |Q| entries is most of v1's time.
+      v2 cuts the outputs into chunks, takes each chunk's pair
       counts from the forward search (which counted them where it found the
       pairs) and scans only inside a block;
     * **lists, not tables**: v1's tables are mostly -1 on a sparse cloud, and the
@@ -518,11 +532,8 @@ def build_tables_v1(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
       writes each point's rows once, packed in offset order behind a bit mask
       (the masks, too, come from the forward search), so they read only the
       pairs;
-    * **compiled per K and block size, unsigned indices**: 124M -> 54M warp
-      instructions on 1M points.
-
-    On the H100, the SemanticKITTI scan, one 3x3x3 layer: 228 -> 79 us (fp32 run;
-    2.9-3.3x in two runs, ``python -m numba_sc ladder metadata``).
+    * **compiled per K and block size, unsigned indices**: far fewer instructions
+      for the same work (:func:`metadata_v2` says why).
     """
     base = _layout(kernel_map, sort, max_padding, solo_rows, direct_centre, launch_rows)[3]
     xp = device_xp()
@@ -533,11 +544,8 @@ def build_tables_v1(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
     out_table = filled((n_out, K), np.int32, -1)
     in_table = filled((n_in, K), np.int32, -1)
     if K * n_out:
-        launch(tables_v1, K * n_out, table, rank, to_device(base), out_table, in_table)
+        launch(metadata_v1, K * n_out, table, rank, to_device(base), out_table, in_table)
     return out_table, in_table
-
-
-METADATA_RUNGS = ("v1", "v2")
 
 
 # -------------------------------------------------------------------- kernels
@@ -581,7 +589,7 @@ def chunk_counts_kernel(table, chunk, counts2d):
     Thread t counts its 8 outputs: 32 contiguous bytes of the table, one memory
     sector, so the block reads its 4 KB piece of row k once and in full. Blocks
     are numbered with k varying fastest (block = c * K + k), as in
-    :func:`lists_kernel`.
+    :func:`metadata_v2`.
     """
     K = table.shape[0]
     k = cuda.blockIdx.x % K
@@ -638,7 +646,7 @@ def masks_kernel(table, out_masks, in_masks):
 
 
 @lru_cache(maxsize=None)
-def lists_kernel(K: int, threads: int):
+def metadata_v2(K: int, threads: int):
     """The lists kernel compiled for K offsets and blocks of ``threads`` threads.
 
     One block per (offset k, chunk c): the buffer rows of the pairs of k in chunk
@@ -668,19 +676,19 @@ def lists_kernel(K: int, threads: int):
     in the buffers leaves together, before any barrier.
 
     Why compiled per (K, threads), with unsigned indices: this kernel is bound by
-    its instruction issue, and Nsight Compute's per-instruction counts on 1M
-    points (124M warp instructions) had three kinds of overhead on top of the
-    work: a 64-bit division of the block index by a run-time K (7 %), another by
-    the run-time block size in the share loop (3 %), and, on every table, mask and
-    slot access, 64-bit index arithmetic including the few instructions Numba
-    adds to wrap a negative *signed* index around (~12 instructions per table
-    entry in the two table walks). With K, the block size and
-    the chunk compile-time constants and every index unsigned (NumPy unsigned
-    constants keep Numba's arithmetic unsigned: a signed-unsigned mix would be
-    float64), each of those is gone. Why not one thread adding up the block's
-    counts one by one instead of the scan: that version ran at 81 % of the SMs'
-    issue rate, a third of its instructions spent by the one busy lane of each
-    serial loop while its warp waited.
+    its instruction issue, and besides the work it spent instructions on a 64-bit
+    division of the block index by a run-time K, another by the run-time block
+    size in the share loop, and, on every table, mask and slot access, 64-bit
+    index arithmetic including the few instructions Numba adds to wrap a
+    negative *signed* index around. With K, the block size and the chunk
+    compile-time constants and every index unsigned (NumPy unsigned constants
+    keep Numba's arithmetic unsigned: a signed-unsigned mix would be float64),
+    each of those is gone. Why a scan, not one thread adding up the block's
+    counts one by one: in the serial loop one lane of the warp works while the
+    others wait.
+
+    v2 of this stage's ladder (v1: :func:`metadata_v1`). What it bought: 228 -> 79 us
+    on the SemanticKITTI scan, one 3x3x3 layer, fp32 (H100, 2026-11-24).
     """
     k_count, items = np.uint64(K), np.uint64(ITEMS_PER_THREAD)
     step, chunk = np.uint64(threads), np.uint64(threads * ITEMS_PER_THREAD)
@@ -814,7 +822,7 @@ def build_plan_cuda(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
     in_slots = piece(slots, 0, (K, n_in), np.int32)
     out_slots = piece(slots, 4 * K * n_in, (K, n_out), np.int32)
     if counts2d.size:
-        launch(lists_kernel(K, threads), counts2d.size, table, counts2d, d_base, buffered, out_masks,
+        launch(metadata_v2(K, threads), counts2d.size, table, counts2d, d_base, buffered, out_masks,
                in_masks, in_slots, out_slots, threads=threads, blocks=counts2d.size)
     return GmasPlan(counts, order, groups, base, rows, centre, PointLists(in_slots, in_masks, buffered),
                     PointLists(out_slots, out_masks, buffered), policy)
@@ -833,3 +841,23 @@ def build_plan(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
     if resolve_backend(backend) == "reference":
         return build_plan_reference(kernel_map, sort, max_padding, solo_rows, direct_centre, launch_rows)
     return build_plan_cuda(kernel_map, sort, max_padding, solo_rows, direct_centre, launch_rows=launch_rows)
+
+
+# -------------------------------------------------------------------- the ladder
+def _dense_tables(result):
+    """A plan's dense tables (made from its lists), or v1's ``(out_table, in_table)``, as
+    one host array."""
+    out_table, in_table = (result.out_table, result.in_table) if isinstance(result, GmasPlan) else result
+    return np.concatenate([to_host(out_table).ravel(), to_host(in_table).ravel()])
+
+
+LADDER = Ladder(
+    "metadata",
+    (Rung("v1", lambda w: build_tables_v1(w["km"]),
+          "dense tables: a library scan over all K x |Q| entries, one thread per entry"),
+     Rung("v2", lambda w: build_plan_cuda(w["km"]),
+          "+ chunks counted by the search, a scan inside each block, per-point lists (the library's)")),
+    workload=lambda ctx: {"km": ctx.layer()["km"]},  # one 3x3x3 submanifold layer's map
+    reference=lambda w: _dense_tables(build_plan_reference(w["km"])),
+    collect=_dense_tables,
+)

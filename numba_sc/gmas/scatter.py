@@ -24,25 +24,28 @@ table row ``[4, -1, 9]``)::
 As in the gather, the buffer and the output are read as words (8 or 4 bytes,
 :mod:`numba_sc.core.words`) whenever a tile is a whole number of them; here each
 word is then unpacked into its channels (libdevice's bit reinterpretations) to
-be added, and the sums packed back into words for the one store. On the H100
-(Nsight Compute, 1M random voxels, the best tile of each version): fp16 at 128
-channels 222 -> 164 us, fp32 at 64 channels 141 -> 126 us; on SemanticKITTI 46
--> 42 and 39 -> 35 us. At equal tiles the two are within a few percent; the gain
-is that bigger tiles now pay: channel by channel, a tile of 32 channels ran 2-3.5x
-slower than a tile of 8, as words it is the fastest on 1M voxels.
+be added, and the sums packed back into words for the one store. At equal tiles
+words and channels are within a few percent; the gain is that bigger tiles now
+pay: channel by channel a tile of 32 channels is much slower than a tile of 8,
+as words it is the fastest on 1M voxels.
 
-The ladder, one idea a rung (``python -m numba_sc ladder scatter`` times them):
+The ladder, one idea a rung (``python -m numba_sc ladder scatter`` times them),
+each with what it bought on SemanticKITTI at 0.05 m, 64 channels (H100,
+2026-11-24):
 
     v1  each thread walks its output's row of the dense output table, a channel
-          at a time
+          at a time (:func:`scatter_v1`)
     v2  + the per-point lists: a mask and the rows that exist
+          (:func:`scatter_v2`); fp32 276 -> 132 us
     v3  + sizes compiled in, the tile's sums in registers, unsigned indices
-    v4  + whole words, unpacked into channels to be added (the library's)
+          (:func:`scatter_v3`); fp32 132 -> 91 us
+    v4  + whole words, unpacked into channels to be added (:func:`scatter_v4`:
+          v3 given a word type; the library's); fp16 90 -> 70 us
 
-On the H100, SemanticKITTI at 0.05 m, 64 channels: fp32 276 -> 132 -> 91 -> 90 us,
-fp16 284 -> 135 -> 90 -> 70 us (``benchmarks/results/ladder_kitti_h100_2026-11-24.json``):
 v1 reads its output's table row once per channel, which the tile's registers of
-v3 and the lists of v2 each remove.
+v3 and the lists of v2 each remove. The launchers: :func:`scatter_cuda` (the
+library's), :func:`scatter_rung` (any rung), :func:`scatter` (reference or
+device). Fuller figures: ``docs/performance.md``, "gmas/scatter.py".
 
 Napkin math, fp32: every pair's row is read once (``4 * pairs * C_out``), the
 output's mask word and rows ``C_out/T`` times (``8|Q| + 4 * pairs`` each, mostly
@@ -57,8 +60,9 @@ import numpy as np
 from numba import cuda, float32, uint64
 
 from ..core.device import device_xp
-from ..core.backend import resolve_backend, to_device
+from ..core.backend import resolve_backend, to_device, to_host
 from ..core.launch import launch
+from ..core.rungs import Ladder, Rung
 from .gather import check_tile
 from .metadata import as_point_lists
 from ..core.words import as_words, lane_codec, lanes, row_words
@@ -85,7 +89,7 @@ def scatter_reference(obuf, out_table, init=None, n_out=None, channels=None, dty
 
 # ------------------------------------------------------------------- the ladder
 # Four rungs, as in the gather; every rung is checked against scatter_reference
-# (tests/test_ladder.py) and timed by ``python -m numba_sc ladder scatter``. The
+# (tests/tools/test_ladder.py) and timed by ``python -m numba_sc ladder scatter``. The
 # library runs v4 (v3 where a tile is not a whole number of words).
 
 @cuda.jit
@@ -116,9 +120,7 @@ def scatter_v1(obuf, out_table, tile, has_init, out):
 @cuda.jit
 def scatter_v2(obuf, out_masks, buffered, out_slots, tile, has_init, out):
     """v2: the per-point lists instead of the dense table (as the gather's v2):
-    a thread reads its output's mask and then only the rows that exist.
-    Measured when it came in (H100, Nsight Compute, 1M random voxels, 64
-    channels): 388 -> 152 us."""
+    a thread reads its output's mask and then only the rows that exist."""
     t = cuda.grid(1)
     tiles = out.shape[1] // tile
     if t < out.shape[0] * tiles:
@@ -135,8 +137,8 @@ def scatter_v2(obuf, out_masks, buffered, out_slots, tile, has_init, out):
 
 
 @lru_cache(maxsize=None)
-def scatter_kernel(tile: int, tiles: int, word=None, itemsize: int = 4):
-    """v3 (``word=None``) and v4: the scatter kernel compiled for one tile size and
+def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4):
+    """v3 (``word=None``) and v4 (:func:`scatter_v4`): the scatter kernel compiled for one tile size and
     one number of tiles per row.
 
     **v3**: both are compile-time constants: the tile is held in registers
@@ -153,13 +155,12 @@ def scatter_kernel(tile: int, tiles: int, word=None, itemsize: int = 4):
     **v4** (``word`` given): they are the same bytes seen as ``word``s
     (:mod:`numba_sc.core.words`), ``tile`` counts words, and each word is unpacked
     into its ``itemsize``-byte channels to be added: a fp16 tile of 8 channels is
-    then two loads per row instead of eight. Measured when it came in: fp16 128
-    channels on 1M voxels 222 -> 164 us, fp32 64 channels 141 -> 126 us.
+    then two loads per row instead of eight.
     """
     n_lanes = lanes(word, itemsize)
     lane, packed = lane_codec(word, itemsize)
     channels = tile * n_lanes  # channels per thread: the accumulator's length
-    # unsigned, as in the gather (numba_sc.gmas.gather.gather_kernel)
+    # unsigned, as in the gather (numba_sc.gmas.gather.gather_v3)
     per_thread, per_row, n_u = np.uint64(tile), np.uint64(tiles), np.uint64(n_lanes)
 
     @cuda.jit
@@ -200,8 +201,16 @@ def scatter_kernel(tile: int, tiles: int, word=None, itemsize: int = 4):
     return scatter
 
 
+def scatter_v4(tile: int, tiles: int, word=None, itemsize: int = 4):
+    """v4, the library's: :func:`scatter_v3` given a word type, so that ``tile`` counts
+    words, each unpacked into its ``itemsize``-byte channels (``word=None``, for a
+    tile that is not a whole number of words, gives v3)."""
+    return scatter_v3(tile, tiles, word, itemsize)
+
+
 def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=None, tile=1):
-    """Device version: one launch of :func:`scatter_kernel`.
+    """Device version: one launch of :func:`scatter_v4` (v4, or v3 when a tile is not a
+    whole number of words).
 
     ``out_lists``: a plan's :class:`~numba_sc.gmas.metadata.PointLists` (``plan.out_lists``),
     or a dense (|Q|, K) output table, which is packed into lists first. When
@@ -224,7 +233,7 @@ def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=No
     src, dst = obuf, out
     if word is not None and n_out:  # the same bytes, as rows of words
         src, dst = as_words(obuf, obuf.shape[0], per_row, word), as_words(out, n_out, per_row, word)
-    launch(scatter_kernel(tile_words, tiles, word, out.itemsize), n_out * tiles, src,
+    launch(scatter_v4(tile_words, tiles, word, out.itemsize), n_out * tiles, src,
            to_device(out_lists.masks), to_device(out_lists.buffered), to_device(out_lists.slots),
            init is not None, dst)
     return out
@@ -246,14 +255,11 @@ def scatter_rung(rung: str, obuf, plan, init, tile):
         launch(scatter_v2, n, obuf, to_device(lists.masks), to_device(lists.buffered), to_device(lists.slots),
                tile, True, out)
     elif rung == "v3":
-        launch(scatter_kernel(tile, out.shape[1] // tile, None, out.itemsize), n, obuf, to_device(lists.masks),
+        launch(scatter_v3(tile, out.shape[1] // tile, None, out.itemsize), n, obuf, to_device(lists.masks),
                to_device(lists.buffered), to_device(lists.slots), True, out)
     else:
-        raise ValueError(f"rung must be one of {SCATTER_RUNGS}, got {rung!r}")
+        raise ValueError(f"rung must be one of {LADDER.names}, got {rung!r}")
     return out
-
-
-SCATTER_RUNGS = ("v1", "v2", "v3", "v4")
 
 
 def scatter(obuf, out_table, init=None, tile=1, backend=None, n_out=None, channels=None,
@@ -269,3 +275,26 @@ def scatter(obuf, out_table, init=None, tile=1, backend=None, n_out=None, channe
     if init is not None:
         init = to_device(init).copy()  # scatter_cuda sums into its init in place
     return scatter_cuda(obuf, out_table, init, n_out, channels, dtype, tile)
+
+
+# -------------------------------------------------------------------- the ladder
+def _ladder_work(ctx):
+    """One 3x3x3 submanifold layer (its plan, init and tile) and a buffer of partial
+    results, one row per buffer row of the plan."""
+    layer = ctx.layer()
+    return dict(layer, obuf=ctx.normal("obuf", (layer["plan"].rows, ctx.channels)))
+
+
+def _rung(name, adds):
+    return Rung(name, lambda w: scatter_rung(name, w["obuf"], w["plan"], w["init"], w["tile"]), adds)
+
+
+LADDER = Ladder(
+    "scatter",
+    (_rung("v1", "each thread walks its output's row of the dense output table, a channel at a time"),
+     _rung("v2", "+ per-point lists: a mask and only the rows that exist"),
+     _rung("v3", "+ sizes compiled in, the tile's sums in registers, unsigned indices"),
+     _rung("v4", "+ whole words, unpacked into channels to be added (the library's)")),
+    workload=_ladder_work,
+    reference=lambda w: scatter_reference(to_host(w["obuf"]), to_host(w["plan"].out_table), to_host(w["init"])),
+)

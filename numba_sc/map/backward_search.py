@@ -30,7 +30,7 @@ them: a block of ``n`` queries becomes ``ceil(n / C)`` *balanced* blocks of
 block is a row ``(k, j, query start, query end)``, and the forward search runs
 one CUDA thread block per row. The backward kernel writes the rows itself, each
 thread those of its own query block, at places reserved with atomic adds (see
-:func:`backward_search_kernel`). In the example with C = 2 the first block (4
+:func:`backward_search_v2`). In the example with C = 2 the first block (4
 queries) gives two rows ``(0, 0, 0, 2)`` and ``(0, 0, 2, 4)``.
 
 Costs (paper Section 5.1.3): ``K * ceil(|P|/B)`` searches of about
@@ -38,6 +38,20 @@ Costs (paper Section 5.1.3): ``K * ceil(|P|/B)`` searches of about
 x 17 steps, a few hundred kB of key reads that mostly hit cache, because neighbouring threads search
 neighbouring pivots in the same segment. The bounds are ``8 K (|P|/B + 1)``
 bytes, the rows 16 bytes each, and one global atomic per thread block of 256.
+
+The module: the NumPy references (:func:`backward_search_reference`,
+:func:`split_query_blocks_reference`), then the ladder
+(``python -m numba_sc ladder backward_search``):
+
+    v1  Figure 11 steps 1-3 as listed (:func:`backward_search_v1`): a kernel
+          searches every pivot, the array library scans the blocks' row counts,
+          one device read of the total, a second kernel cuts the blocks
+    v2  one kernel, no device read (:func:`backward_search_v2`, the library's,
+          launched by :func:`backward_search_cuda`): each block's start comes
+          from its left neighbour through shared memory, rows placed by atomic
+          reservations. What it bought: SemanticKITTI at 0.05 m (27 segments,
+          B = 512, C = 1024), 510 -> 88 us (H100, 2026-11-24; v1's time includes
+          the GPU idling through its read)
 """
 from __future__ import annotations
 
@@ -45,12 +59,13 @@ import numpy as np
 from numba import cuda, int64
 
 from ..core.device import device_xp
-from ..core.backend import to_host
+from ..core.backend import to_device, to_host
 from ..core.launch import launch
+from ..core.rungs import Ladder, Rung
 from .query_segments import query_key, query_key_reference
 
 # Defaults of B and C, picked by the B x C sweep on an H100 (benchmarks/bench_map.py,
-# results in benchmarks/results/map_sweep_*.json; paper Figure 18): over SemanticKITTI
+# results in benchmarks/results/archive/map_sweep_*.json; paper Figure 18): over SemanticKITTI
 # and 1M random voxels, B = 512 with C = 1024 was fastest in total (the paper used 256
 # and 512 on its GPUs).
 DEFAULT_SOURCE_BLOCK = 512
@@ -148,7 +163,7 @@ def split_query_blocks_reference(bounds, C):
 # Two rungs: v1 does Figure 11's steps 1-3 as the paper lists them (search every
 # pivot, then cut the blocks, placed by a scan of their row counts); v2, the
 # library's, does all three in one kernel. Both are checked against the
-# reference (tests/test_ladder.py) and timed by ``python -m numba_sc ladder backward``.
+# reference (tests/tools/test_ladder.py) and timed by ``python -m numba_sc ladder backward_search``.
 
 @cuda.jit(device=True, inline=True)
 def upper_bound_in_segment(qkeys, deltas, k, pivot, hi):
@@ -204,13 +219,11 @@ def backward_search_v1(skeys, qkeys, deltas, B, C):
     (the array library), one device read of the total, the split kernel. Returns
     ``(bounds, rows, n_rows)`` like :func:`backward_search_cuda` (rows in (k, j) order).
 
-    v2 (:func:`backward_search_kernel`) folds it into one kernel: each block's start
+    v2 (:func:`backward_search_v2`) folds it into one kernel: each block's start
     is its left neighbour's end (passed through shared memory, so each pivot is
     searched once, not twice), and the rows are placed by atomic reservations
     instead of a scan: one launch instead of two and the library calls, and no
-    device read. On the H100, SemanticKITTI at 0.05 m (27 segments, B = 512,
-    C = 1024): 510 -> 88 us (``benchmarks/results/ladder_backward_kitti_h100_2026-11-24.json``;
-    v1's time includes the GPU idling through its read)."""
+    device read."""
     xp = device_xp()
     K = deltas.shape[0]
     nb = num_source_blocks(skeys.shape[0], B)
@@ -228,7 +241,7 @@ BACKWARD_THREADS = 256  # threads per block of the backward kernel (the shared a
 
 
 @cuda.jit
-def backward_search_kernel(skeys, qkeys, deltas, B, C, bounds, rows, n_rows):
+def backward_search_v2(skeys, qkeys, deltas, B, C, bounds, rows, n_rows):
     """v2, the library's: one thread per (segment k, source block j): query block (k, j),
     cut into balanced rows, all in one kernel.
 
@@ -314,6 +327,61 @@ def backward_search_cuda(skeys, qkeys, deltas, B, C, max_rows, n_rows=None, boun
         n_rows = xp.zeros(1, dtype=np.int64)
     # The kernel's shared array holds one end per thread: launch exactly that many
     # threads per block (under the simulator too, where fewer would be faster).
-    launch(backward_search_kernel, K * nb, skeys, qkeys, deltas, B, C, bounds, rows, n_rows,
+    launch(backward_search_v2, K * nb, skeys, qkeys, deltas, B, C, bounds, rows, n_rows,
            threads=BACKWARD_THREADS)
     return bounds, rows, n_rows
+
+
+# -------------------------------------------------------------------- the ladder
+def search_workload(ctx) -> dict:
+    """What the searches of a 3x3x3 submanifold layer on ``ctx.coords`` read, made by the
+    Map step's own kernels (and shared by the forward search's ladder): the packed
+    keys, the key deltas, and the balanced query blocks of the backward search, once
+    over all K segments (``full``) and once over the first ceil(K / 2) (``half``: a
+    symmetric kernel searched halfway), with blocks of ``ctx.search_blocks = (B, C)``."""
+    from ..core import conventions as cv
+    from .kernel_map import layer_arguments
+
+    def build():
+        B, C = ctx.search_blocks
+        offsets, deltas = layer_arguments(3, 1, 1, 1)[4:]
+        K, P = len(offsets), len(ctx.coords)
+        reach = tuple(int(v) for v in offsets.min(axis=0)), tuple(int(v) for v in offsets.max(axis=0))
+        keys = to_device(cv.pack_keys(np.asarray(ctx.coords), *reach))  # sorted: coords are
+        work = {"B": B, "C": C, "K": K, "keys": keys, "table_shape": (K, P)}
+        for h, name in ((K, "full"), ((K + 1) // 2, "half")):
+            d = to_device(np.array(deltas[:h]))  # (a writable copy: the layer's deltas are read-only)
+            upper = max_balanced_blocks(h, P, P, B, C)
+            _, rows, n_rows = backward_search_cuda(keys, keys, d, B, C, upper)
+            work[name] = {"deltas": d, "rows": rows, "n_rows": n_rows, "upper": upper,
+                          "grid": int(to_host(n_rows)[0])}  # forward v1-v3 launch exactly one block a row
+        return work
+
+    return ctx.memo(("search", tuple(ctx.search_blocks)), build)
+
+
+def _bounds_and_rows(result):
+    """The bounds, then the rows in (k, j, start) order (v2 writes them in any order)."""
+    bounds, rows, n_rows = (to_host(a) for a in result)
+    rows = rows[:int(n_rows[0])]
+    rows = rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]
+    return np.concatenate([bounds.ravel(), rows.ravel()])
+
+
+def _ladder_reference(w):
+    keys = to_host(w["keys"])
+    bounds, _ = backward_search_reference(keys, keys, to_host(w["full"]["deltas"]), w["B"])
+    return np.concatenate([bounds.ravel(), split_query_blocks_reference(bounds, w["C"]).ravel()])
+
+
+LADDER = Ladder(
+    "backward_search",
+    (Rung("v1", lambda w: backward_search_v1(w["keys"], w["keys"], w["full"]["deltas"], w["B"], w["C"]),
+          "Figure 11 steps 1-3 as listed: search every pivot; scan the row counts; cut the blocks"),
+     Rung("v2", lambda w: backward_search_cuda(w["keys"], w["keys"], w["full"]["deltas"], w["B"], w["C"],
+                                               w["full"]["upper"]),
+          "+ one kernel: the neighbour's end shared, rows placed by atomics, no read (the library's)")),
+    workload=search_workload,
+    reference=_ladder_reference,
+    collect=_bounds_and_rows,
+)

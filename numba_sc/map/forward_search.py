@@ -30,28 +30,34 @@ segment ``[0, 2, 3, 4, 5, 8, 12]``)::
     table[0] = [-1, -1, -1, 1, -1, -1, -1]
 
 Shared memory arrays need a size known when the kernel is compiled, so
-:func:`forward_search_kernel` builds one kernel per B and caches it.
+:func:`forward_search_v4` builds one kernel per B and caches it.
 
 Launch without a device->host sync: the number of balanced blocks lives on the
 device. Rather than reading it (a sync that stalls the host until the GPU has
-caught up, ~10-50 us plus lost overlap), the launcher starts the known upper
+caught up, and loses the overlap of host and GPU work), the launcher starts the known upper
 bound ``K * nblocks + ceil(K * |Q| / C)`` of thread blocks and each block first
 compares its index with the device count: surplus blocks return at once, which
 costs the GPU a few nanoseconds each.
 
-The ladder, one idea a rung (``python -m numba_sc ladder search`` times them)::
+The ladder, one idea a rung (``python -m numba_sc ladder forward_search`` times them),
+each with what it bought on SemanticKITTI at 0.05 m (3x3x3, B = 512, C = 1024;
+H100, 2026-11-24)::
 
     v1  the paper's kernel: shared-memory block, a lo/hi binary search per query
+          (:func:`forward_search_v1`)
     v2  + branch-free search: exactly log2(B) halvings over a padded block
+          (:func:`forward_search_v2`); the search alone 87 -> 65 us
     v3  + a symmetric kernel searched halfway, each hit written twice
+          (:func:`forward_search_v3`); the search alone 65 -> 57 us
     v4  + the counts and masks the metadata needs, found where the pairs are;
-          sizes compiled in, unsigned indices (the library's)
+          sizes compiled in, unsigned indices (:func:`forward_search_v4`,
+          the library's); with what the metadata stage then needs of the map
+          (three more passes over the table for v1-v3, none for v4) 205 -> 120 us
 
-On the H100, SemanticKITTI at 0.05 m (3x3x3, B = 512, C = 1024): the search alone
-87 -> 65 -> 57 us for v1 -> v3 (``benchmarks/results/ladder_kitti_repeat_h100_2026-11-24.json``);
-with what the metadata stage then needs of the map (three more passes over the
-table for v1-v3, none for v4), 207 -> 200 -> 205 -> 120 us
-(``ladder_search_kitti_h100_2026-11-24.json``).
+The module holds the NumPy reference (:func:`forward_search_reference`,
+:func:`mirror_reference`), the rungs in ladder order, and the launcher
+(:func:`forward_search_cuda`). Older and fuller figures:
+``docs/performance.md``, "map/forward_search.py".
 
 Bytes, 3x3x3 layer, |P| = |Q| = 94k, B = 256, C = 512: the blocks load about
 K * |P| * 8 B = 20 MB of source keys into shared memory (each source block once
@@ -68,6 +74,7 @@ from numba import cuda, int32, int64, uint64
 from ..core.device import device_xp, simulating
 from ..core.backend import filled
 from ..core.launch import launch
+from ..core.rungs import Ladder, Rung
 from ..core.conventions import MASK_BITS, SIMULATOR_THREADS, chunk_size
 from .query_segments import query_key, query_key_reference
 
@@ -143,8 +150,8 @@ def mirror_reference(half, K):
 
 # ------------------------------------------------------------------- the ladder
 # v1 .. v3 below, the library's kernel (v4) after them. Each rung is checked against
-# the reference map (tests/test_ladder.py) and timed by ``python -m numba_sc ladder
-# search``. Shared arrays need a size known when the kernel is compiled, so every
+# the reference map (tests/tools/test_ladder.py) and timed by ``python -m numba_sc ladder
+# forward_search``. Shared arrays need a size known when the kernel is compiled, so every
 # rung is built once per source block size B.
 
 @lru_cache(maxsize=None)
@@ -185,9 +192,8 @@ def forward_search_v2(B: int):
     """v2: the same search without a data-dependent loop. B is a power of two, so a
     block padded to B keys (with a key larger than any query) is searched in exactly
     log2(B) halvings: every thread of a warp runs the same steps in lockstep, and
-    the loop, with a compile-time trip count, is unrolled. Measured when it came in
-    (H100, 1M points): the ``while`` version kept the SMs busy with index arithmetic,
-    85 % issue-bound at 304 us."""
+    the loop, with a compile-time trip count, is unrolled. (The ``while`` version
+    keeps the SMs busy with index arithmetic: it is issue-bound.)"""
     steps = B.bit_length() - 1
     pad = np.int64(np.iinfo(np.int64).max)
 
@@ -257,10 +263,8 @@ def forward_search_v3(B: int):
 # It adds to v3 what the next stages need, counted where the pairs are found
 # (pairs per offset, per offset and chunk of outputs, and each point's mask of
 # offsets: passes over the table the metadata stage no longer makes), and the
-# sizes compiled in with unsigned index arithmetic. Measured when each came in
-# (H100, Nsight Compute, 1M points): the chunk by a shift 272 -> 228 us; the
-# strided loops stepping by a compile-time block size 228 -> 204 us; unsigned
-# indices 205 -> 186 us, 116M -> 98M warp instructions (SemanticKITTI 26 -> 23 us).
+# sizes compiled in with unsigned index arithmetic (what each bought when it came
+# in: docs/performance.md, "map/forward_search.py").
 #
 # Pairs per (offset, chunk) are tallied in shared memory first: a global atomic per
 # pair, all of a block's pairs on one or two addresses, made the forward search
@@ -273,7 +277,7 @@ TALLY_SLOTS = 2 * TALLY  # a named constant: shared array sizes must be compile-
 
 
 @lru_cache(maxsize=None)
-def forward_search_kernel(B: int, with_masks: bool = False, threads: int = FORWARD_THREADS):
+def forward_search_v4(B: int, with_masks: bool = False, threads: int = FORWARD_THREADS):
     """The forward-search kernel for source blocks of ``B`` keys (compiled once per B),
     setting the mask bits of every pair it finds when ``with_masks`` (a constant of
     the compiled code: without masks the lines that set them are not compiled in),
@@ -286,8 +290,7 @@ def forward_search_kernel(B: int, with_masks: bool = False, threads: int = FORWA
     unsigned; a signed-unsigned mix would be float64): on a signed index Numba
     adds the few instructions that wrap a negative index around, on every table,
     shared-memory and mask access, and this kernel is bound by its instruction
-    issue (Nsight Compute, 1M points: 116M warp instructions, a third of them in
-    the loop over queries).
+    issue.
     """
     steps = B.bit_length() - 1  # log2(B): the search below takes exactly this many steps
     pad = np.int64(np.iinfo(np.int64).max)  # fills a short last block: larger than any query
@@ -458,6 +461,73 @@ def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=N
         out_masks = in_masks = no_masks()
     if grid > 0:
         threads = forward_threads(C)
-        launch(forward_search_kernel(int(B), with_masks, threads), int(grid), skeys, qkeys, deltas, rows, n_rows,
+        launch(forward_search_v4(int(B), with_masks, threads), int(grid), skeys, qkeys, deltas, rows, n_rows,
                table, counts, shift, chunk_counts, out_masks, in_masks, threads=threads, blocks=int(grid))
     return table, counts, chunk_counts
+
+
+# -------------------------------------------------------------------- the ladder
+def _ladder_work(ctx):
+    """The backward search's keys, deltas and balanced blocks
+    (:func:`numba_sc.map.backward_search.search_workload`), and the threads per block."""
+    from .backward_search import search_workload
+
+    work = search_workload(ctx)
+    return dict(work, threads=forward_threads(work["C"]))
+
+
+def _run_rung(rung, w):
+    """One rung and what the metadata stage then needs of the map; returns the (K, |Q|)
+    table (the mirrored rows filled in for v3 and v4).
+
+    The library's v4 finds, with each pair, what the metadata stage needs of it:
+    the pairs per offset, per offset and chunk of outputs, and each point's mask
+    of offsets. For v1-v3 those are then made as the metadata stage makes them for
+    a map that lacks them (a count of the table, :func:`~numba_sc.gmas.metadata.chunk_counts_cuda`,
+    :func:`~numba_sc.gmas.metadata.masks_cuda`: three more passes over it), so that every
+    rung is timed for the same result.
+    """
+    from ..gmas.metadata import chunk_counts_cuda, masks_cuda
+
+    B, C = w["B"], w["C"]
+    K, P = w["table_shape"]
+    if rung == "v4":  # the library's: the upper-bound grid, counts, chunk counts and masks
+        half = w["half"]
+        masks = [filled((-(-K // 32), P), np.int64, 0) for _ in range(2)]
+        table, _, _ = forward_search_cuda(w["keys"], w["keys"], half["deltas"], half["rows"], half["n_rows"], B, C,
+                                          half["upper"], n_offsets=K, out_masks=masks[0], in_masks=masks[1])
+        return table
+    kernel, part = {"v1": (forward_search_v1, "full"), "v2": (forward_search_v2, "full"),
+                    "v3": (forward_search_v3, "half")}[rung]
+    seg = w[part]
+    table = filled((K, P), np.int32, -1)
+    if seg["grid"]:
+        launch(kernel(B), seg["grid"], w["keys"], w["keys"], seg["deltas"], seg["rows"], table,
+               threads=w["threads"], blocks=seg["grid"])
+    (table >= 0).sum(axis=1)  # pairs per offset
+    chunk_counts_cuda(table)
+    masks_cuda(table, P)
+    return table
+
+
+def _ladder_reference(w):
+    """The reference map's table of the same layer."""
+    from ..core.backend import to_host
+    from ..core.conventions import unpack_keys
+    from .kernel_map import build_kernel_map_reference
+
+    coords = unpack_keys(to_host(w["keys"]), with_batch=False)
+    return build_kernel_map_reference(coords, 3, assume_sorted=True).table
+
+
+LADDER = Ladder(
+    "forward_search",
+    (Rung("v1", lambda w: _run_rung("v1", w),
+          "the paper's forward search: shared-memory source block, a lo/hi binary search"),
+     Rung("v2", lambda w: _run_rung("v2", w), "+ branch-free: exactly log2(B) halvings over a padded block"),
+     Rung("v3", lambda w: _run_rung("v3", w), "+ a symmetric kernel searched halfway, each hit written twice"),
+     Rung("v4", lambda w: _run_rung("v4", w),
+          "+ counts, chunk counts, masks found with the pairs (v1-v3: 3 passes after); constants, unsigned")),
+    workload=_ladder_work,
+    reference=_ladder_reference,
+)

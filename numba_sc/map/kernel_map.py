@@ -52,8 +52,8 @@ keys (~0.75 MB a pass; skipped when the input is already sorted, as it is
 between layers), backward search ~10k threads, forward search ~10k thread
 blocks reading ~20 MB through shared memory, table 27 x 94k x 4 B = 10 MB written.
 
-Host work matters as much as the GPU's (a launch costs ~10 us of host time, a
-device->host read ~12 us plus the wait for the GPU): the kernel path is the
+Host work matters as much as the GPU's (every launch costs host time, and a
+device->host read also waits for the GPU; ``docs/performance.md``): the kernel path is the
 pack kernel, the backward kernel (which also writes the balanced rows), one
 fill and the forward kernel, for all K segments at once. It reads from the
 device once, at the end: a small *report* with the pack kernel's flags (out of
@@ -259,7 +259,12 @@ def _device_deltas_on(ks, dil, ts, device, h):
 
 
 def _check_columns(in_coords, out_coords):
-    """Inputs and outputs must agree on the batch column (shapes only: no device read)."""
+    """Inputs and outputs must be arrays that agree on the batch column (shapes only: no
+    device read)."""
+    for name, c in (("in_coords", in_coords), ("out_coords", out_coords)):
+        if c is not None and not (hasattr(c, "shape") and hasattr(c, "dtype")):
+            raise TypeError(f"{name} must be a NumPy or CuPy integer array (N, 3) or (N, 4), got "
+                            f"{type(c).__name__}; e.g. np.asarray(coords, dtype=np.int32)")
     a, b = getattr(in_coords, "shape", ()), getattr(out_coords, "shape", ())
     if out_coords is not None and len(a) == 2 and len(b) == 2 and a[1] != b[1]:
         raise ValueError(
@@ -668,10 +673,11 @@ def _finish_cuda(in_sorted, out_sorted, in_order, offsets, table, work, ks, st, 
 
 
 # ----------------------------------------------------------------------- API
-def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1,
-                     out_coords=None, backend=None, source_block=DEFAULT_SOURCE_BLOCK, query_block=DEFAULT_QUERY_BLOCK,
-                     assume_sorted=False, symmetric=True, masks=False, while_reading=None,
-                     method="auto") -> KernelMap:
+def build_kernel_map(in_coords: cv.Array, kernel_size: cv.IntOr3 = 3, stride: cv.IntOr3 = 1,
+                     dilation: cv.IntOr3 = 1, tensor_stride: cv.IntOr3 = 1, out_coords: cv.Array | None = None,
+                     backend: str | None = None, source_block: int = DEFAULT_SOURCE_BLOCK,
+                     query_block: int = DEFAULT_QUERY_BLOCK, assume_sorted: bool = False, symmetric: bool = True,
+                     masks: bool = False, while_reading=None, method: str = "auto") -> KernelMap:
     """Build the kernel map of a sparse convolution (Minuet's Map step, or an alternative).
 
     Parameters
@@ -745,6 +751,7 @@ def build_kernel_map(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stri
         contrast). On the kernel path, numbers that live on the device are 0-d
         arrays; ``float()`` / ``int()`` reads them.
     """
+    _check_columns(in_coords, out_coords)
     if method == "auto":
         method = ch.map_method_for(in_coords.shape[0],
                                    lambda: len(layer_arguments(kernel_size, stride, dilation, tensor_stride)[4]))

@@ -13,7 +13,7 @@ BatchNorm at inference is, per channel ``c``::
     y = (x - running_mean[c]) * weight[c] / sqrt(running_var[c] + eps) + bias[c]
 
 and a residual block ends in ``relu(y + shortcut)``. So one kernel,
-:func:`batch_norm_kernel`, does all three, each optional: normalize, add a
+:func:`batch_norm_v1`, does all three, each optional: normalize, add a
 residual, clamp at zero. A network's ``BatchNorm`` followed by ``ReLU`` is one
 launch, not two (:class:`numba_sc.nn.Sequential` fuses them), and so is the end
 of a residual block.
@@ -29,8 +29,8 @@ Every kernel gives one thread to one feature value ``(i, c)`` of the output:
 thread ``t`` takes row ``t // C`` and channel ``t % C``, so the threads of a
 warp read and write neighbouring values. BatchNorm, the one that runs after
 every convolution, has a second version that the library runs
-(:func:`batch_norm_kernel_v2`: the channel count compiled in, fast math);
-:func:`batch_norm_kernel` is the plain one, and both are checked against the
+(:func:`batch_norm_v2`: the channel count compiled in, fast math);
+:func:`batch_norm_v1` is the plain one, and both are checked against the
 reference. The arithmetic is float32 also for
 float16 features (each value is widened when read and rounded once when
 written), as cuDNN's BatchNorm does for half precision.
@@ -58,6 +58,7 @@ from numba import cuda, float32, uint64
 from ..core.device import device_xp
 from ..core.backend import resolve_backend, to_device, to_host
 from ..core.launch import launch
+from ..core.rungs import Ladder, Rung
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
@@ -134,7 +135,7 @@ def concat_reference(a, b):
 
 # -------------------------------------------------------------------- kernels
 @cuda.jit
-def batch_norm_kernel(x, weight, bias, mean, var, eps, residual, has_residual, relu, out):
+def batch_norm_v1(x, weight, bias, mean, var, eps, residual, has_residual, relu, out):
     """One thread per value (i, c): normalize with channel c's statistics, add the
     residual's value, clamp at zero (the last two when asked)."""
     t = cuda.grid(1)
@@ -151,8 +152,8 @@ def batch_norm_kernel(x, weight, bias, mean, var, eps, residual, has_residual, r
 
 
 @lru_cache(maxsize=None)
-def batch_norm_kernel_v2(channels: int):
-    """:func:`batch_norm_kernel` compiled for one channel count, with fast math.
+def batch_norm_v2(channels: int):
+    """:func:`batch_norm_v1` compiled for one channel count, with fast math.
 
     Two things change, nothing else:
 
@@ -163,12 +164,13 @@ def batch_norm_kernel_v2(channels: int):
       approximate instructions (within 2 ulp), not the IEEE routines.
 
     Why it pays: a half-precision value is 2 bytes read and 2 written, so at
-    the H100's ~3 TB/s the per-value arithmetic, not the memory, set v1's time
-    on large clouds (BatchNorm of MinkUNet42 on 1M random voxels in fp16: 49
-    calls, 17.9 ms against 12.0 ms for PyTorch's, ``bench_net.py --layers``).
-    What it bought: the 1M network's 49 BatchNorms 17.9 -> 11.2 ms (1.50x -> 0.91x
-    PyTorch's); one call on SemanticKITTI at 64 channels, with the residual and
-    ReLU, 65 -> 48 us fp32 and 77 -> 54 us fp16 (``python -m numba_sc ladder``).
+    the H100's ~3 TB/s the per-value arithmetic, not the memory, sets v1's time
+    on large clouds.
+
+    v2 of BatchNorm's ladder (``python -m numba_sc ladder pointwise``; v1:
+    :func:`batch_norm_v1`). What it bought: one call on SemanticKITTI at 64
+    channels, with the residual and ReLU, 65 -> 48 us fp32 (H100, 2026-11-24;
+    more in ``docs/performance.md``, "nn/pointwise.py").
     """
     C = np.uint64(channels)
 
@@ -264,17 +266,14 @@ def batch_norm(x, weight, bias, mean, var, eps=1e-5, residual=None, relu=False, 
     return batch_norm_rung("v2", x, weight, bias, mean, var, eps, residual, relu)
 
 
-BATCH_NORM_RUNGS = ("v1", "v2")
-
-
 def batch_norm_rung(rung: str, x, weight, bias, mean, var, eps=1e-5, residual=None, relu=False):
     """Run one rung of BatchNorm's ladder on device arrays: ``"v1"`` the plain
-    kernel, ``"v2"`` the library's (:func:`batch_norm_kernel_v2`)."""
-    if rung not in BATCH_NORM_RUNGS:
-        raise ValueError(f"rung must be one of {BATCH_NORM_RUNGS}, got {rung!r}")
+    kernel, ``"v2"`` the library's (:func:`batch_norm_v2`)."""
+    if rung not in LADDER.names:
+        raise ValueError(f"rung must be one of {LADDER.names}, got {rung!r}")
     xd = to_device(x)
     out = device_xp().empty(xd.shape, xd.dtype)
-    kernel = batch_norm_kernel if rung == "v1" else batch_norm_kernel_v2(xd.shape[1])
+    kernel = batch_norm_v1 if rung == "v1" else batch_norm_v2(xd.shape[1])
     res = xd if residual is None else to_device(residual)  # (not read without a residual)
     launch(kernel, xd.size, xd, _f32(weight), _f32(bias), _f32(mean), _f32(var), float(eps), res,
            residual is not None, bool(relu), out)
@@ -452,3 +451,37 @@ def batch_norm_backward(g, x, y, weight, mean, var, eps=1e-5, relu=False, traini
     launch(batch_norm_backward_kernel, gd.size, gd, xd, yd, bool(relu), (weight * inv_std).astype(np.float32),
            mean, inv_std, a.astype(np.float32), b.astype(np.float32), out)
     return out, dweight, dbias, gm
+
+
+# -------------------------------------------------------------------- the ladder
+# BatchNorm's (the pointwise kernel that runs after every convolution): inference
+# BatchNorm, a residual added and ReLU, in one pass.
+def _ladder_work(ctx):
+    """Features and a residual (N, C) in the context's dtype, and BatchNorm's
+    per-channel weight, bias, running mean and running variance (float32)."""
+    n, c = len(ctx.coords), ctx.channels
+
+    def stats():
+        rng = ctx.rng("batch_norm")
+        return [to_device(v.astype(np.float32)) for v in (rng.uniform(0.5, 1.5, c), rng.normal(0, 0.2, c),
+                                                          rng.normal(0, 0.2, c), rng.uniform(0.5, 2, c))]
+
+    return {"features": ctx.normal("features", (n, c)), "residual": ctx.normal("residual", (n, c)),
+            "bn": ctx.memo(("batch_norm", c, ctx.seed), stats)}
+
+
+def _rung(name, adds):
+    return Rung(name, lambda w: batch_norm_rung(name, w["features"], *w["bn"], 1e-5, w["residual"], True), adds)
+
+
+LADDER = Ladder(
+    "pointwise",
+    (_rung("v1", "BatchNorm, residual add and ReLU in one pass, one thread per value"),
+     _rung("v2", "+ the channel count compiled in, fast math (the library's)")),
+    workload=_ladder_work,
+    reference=lambda w: batch_norm_reference(to_host(w["features"]), *[to_host(v) for v in w["bn"]], 1e-5,
+                                             to_host(w["residual"]), True),
+    # the GPU fuses a multiply and an add (and v2 approximates the root and the
+    # division): a float32 ulp or two, which may move a fp16 rounding by one ulp
+    tolerance={"float32": 4e-6, "float16": 2e-3},
+)

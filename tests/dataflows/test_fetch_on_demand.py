@@ -73,7 +73,7 @@ def rtol(dtype):
     return RTOL32 if np.dtype(dtype) == np.float32 else RTOL16
 
 
-def run_all(f, w, km, init=None, skip=-1, rungs=fd.FETCH_RUNGS, tile_p=None):
+def run_all(f, w, km, init=None, skip=-1, rungs=fd.LADDER.names, tile_p=None):
     """Reference and each rung, each checked against the oracle and the reference."""
     table = km.table
     want = oracle(f, w, table, init, skip)
@@ -82,7 +82,7 @@ def run_all(f, w, km, init=None, skip=-1, rungs=fd.FETCH_RUNGS, tile_p=None):
     assert_close(ref, want, rtol(f.dtype))
     plan = fd.fetch_plan(table, km.host_counts(), skip, tile_p)
     for rung in rungs:
-        got = fd.fetch_rung(rung, f, w, plan, table.shape[1], init)
+        got = fd.fetch_on_demand_rung(rung, f, w, plan, table.shape[1], init)
         assert got.dtype == f.dtype, rung
         assert_close(got, want, rtol(f.dtype))
         assert_close(got, ref, rtol(f.dtype))
@@ -109,8 +109,8 @@ def test_worked_example_of_the_docstring():
     assert plan.block_start.tolist() == [0, 1] and plan.block_stop.tolist() == [1, 2]
     want = [[2100], [210], [300]]
     assert fd.fetch_on_demand_reference(f, w, table, init, skip=1).tolist() == want
-    for rung in fd.FETCH_RUNGS:
-        assert fd.fetch_rung(rung, f, w, plan, 3, init).tolist() == want
+    for rung in fd.LADDER.names:
+        assert fd.fetch_on_demand_rung(rung, f, w, plan, 3, init).tolist() == want
     assert init.tolist() == [[100], [200], [300]]  # not modified
 
 
@@ -203,7 +203,7 @@ def test_gpu_tiles_under_the_simulator(rng, dtype):
     tiles = fd.v2_tiles(6, 5, simulated=False)
     assert tiles == (64, 8, 8, 4, 1)
     plan = fd.fetch_plan(km.table, km.host_counts(), tile_p=64)
-    got = fd.fetch_rung("v2", f, w, plan, km.table.shape[1], tiles=tiles)
+    got = fd.fetch_on_demand_rung("v2", f, w, plan, km.table.shape[1], tiles=tiles)
     assert_close(got, fd.fetch_on_demand_reference(f, w, km.table), rtol(dtype))
 
 
@@ -214,9 +214,10 @@ def test_no_pairs_gives_init(rng):
     init = rng.standard_normal((10, 3)).astype(np.float32)
     plan = fd.fetch_plan(table, (table >= 0).sum(1), skip=13)
     assert plan.n_pairs == 0 and plan.n_blocks == 0
-    for rung in fd.FETCH_RUNGS:
-        np.testing.assert_array_equal(to_host(fd.fetch_rung(rung, f, w, plan, 10, init)), init)
-        np.testing.assert_array_equal(to_host(fd.fetch_rung(rung, f, w, plan, 10)), np.zeros((10, 3), np.float32))
+    for rung in fd.LADDER.names:
+        np.testing.assert_array_equal(to_host(fd.fetch_on_demand_rung(rung, f, w, plan, 10, init)), init)
+        np.testing.assert_array_equal(to_host(fd.fetch_on_demand_rung(rung, f, w, plan, 10)),
+                                      np.zeros((10, 3), np.float32))
     assert fd.fetch_on_demand_cuda(f, w, plan, 10, init) is not init
 
 
@@ -253,20 +254,20 @@ def test_comparison_catches_an_off_by_one(rng):
     f, w = data(rng, len(km.in_coords), 27, 4, 4)
     ref = fd.fetch_on_demand_reference(f, w, km.table)
     plan = fd.fetch_plan(km.table, km.host_counts())
-    assert_close(fd.fetch_rung("v2", f, w, plan, km.table.shape[1]), ref, RTOL32)
+    assert_close(fd.fetch_on_demand_rung("v2", f, w, plan, km.table.shape[1]), ref, RTOL32)
 
     shifted = fd.FetchPlan(**{**plan.__dict__, "out_rows": plan.out_rows.copy()})
     p = int(np.flatnonzero(to_host(plan.out_rows) < km.table.shape[1] - 1)[0])
     shifted.out_rows[p] += 1  # one pair's output row off by one
-    err = rel_err(fd.fetch_rung("v2", f, w, shifted, km.table.shape[1]), ref)
+    err = rel_err(fd.fetch_on_demand_rung("v2", f, w, shifted, km.table.shape[1]), ref)
     assert err > 1000 * RTOL32, err  # one product moved: far beyond the fp32 tolerance
     with pytest.raises(AssertionError):
-        assert_close(fd.fetch_rung("v1", f, w, shifted, km.table.shape[1]), ref, RTOL32)
+        assert_close(fd.fetch_on_demand_rung("v1", f, w, shifted, km.table.shape[1]), ref, RTOL32)
 
     counts = km.host_counts()
     k = int(np.flatnonzero((counts > 0) & (np.arange(27) != 13))[0])
     dropped = fd.fetch_plan(km.table, counts, skip=k)  # one offset left out, no init for it
-    assert rel_err(fd.fetch_rung("v2", f, w, dropped, km.table.shape[1]), ref) > 1000 * RTOL32
+    assert rel_err(fd.fetch_on_demand_rung("v2", f, w, dropped, km.table.shape[1]), ref) > 1000 * RTOL32
 
 
 # ---------------------------------------------------------------- bad input
@@ -307,4 +308,4 @@ def test_bad_input(rng):
     with pytest.raises(TypeError, match="plan"):
         fd.fetch_on_demand_cuda(f, w, km.table, n_out)
     with pytest.raises(ValueError, match="rung"):
-        fd.fetch_rung("v9", f, w, plan, n_out)
+        fd.fetch_on_demand_rung("v9", f, w, plan, n_out)

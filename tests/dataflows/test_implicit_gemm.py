@@ -163,8 +163,8 @@ def test_every_rung_equals_the_reference(rng, dtype):
     want = ig.implicit_gemm_reference(f, w, table, init, 4)
     assert_close(want, oracle(f, w, table, init, 4), tol(dtype))
     plan = ig.implicit_plan(table, splits=2, skip=4)
-    for rung in ig.IMPLICIT_RUNGS:
-        got = to_host(ig.implicit_rung(rung, f, w, table, plan, init))
+    for rung in ig.LADDER.names:
+        got = to_host(ig.implicit_gemm_rung(rung, f, w, table, plan, init))
         assert got.dtype == np.dtype(dtype), rung
         assert rel_err(got, want) <= tol(dtype) / 2, rung
 
@@ -286,4 +286,4 @@ def test_bad_input(rng):
     with pytest.raises(TypeError, match="table must be an int32 array"):
         ig.implicit_plan(table.astype(np.int64))
     with pytest.raises(ValueError, match="rung must be one of"):
-        ig.implicit_rung("v9", f, w, table, plan)
+        ig.implicit_gemm_rung("v9", f, w, table, plan)

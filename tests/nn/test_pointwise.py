@@ -66,7 +66,7 @@ def test_pointwise_kernels_equal_references(rng, dtype):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_batch_norm_plain_kernel_equals_reference(rng, dtype):
-    """The library launches batch_norm_kernel_v2 (above); the plain kernel the
+    """The library launches batch_norm_v2 (above); the plain kernel the
     module teaches with must compute the same."""
     from numba_sc.core.launch import launch
 
@@ -75,7 +75,7 @@ def test_batch_norm_plain_kernel_equals_reference(rng, dtype):
     w, bias, mean = (rng.standard_normal(13).astype(np.float32) for _ in range(3))
     var = rng.uniform(0.1, 2.0, 13).astype(np.float32)
     out = np.zeros_like(a)
-    launch(pw.batch_norm_kernel, a.size, a, w, bias, mean, var, 1e-3, r, True, True, out)
+    launch(pw.batch_norm_v1, a.size, a, w, bias, mean, var, 1e-3, r, True, True, out)
     want = pw.batch_norm_reference(a, w, bias, mean, var, 1e-3, r, True)
     tol = 1e-6 if dtype == np.float32 else 1e-3
     np.testing.assert_allclose(out.astype(np.float32), want.astype(np.float32), rtol=tol, atol=tol)

@@ -1,0 +1,170 @@
+"""The kernel-ladder protocol: what a stage declares so that its kernels can be checked
+and timed rung by rung (``python -m numba_sc ladder``, :mod:`numba_sc.tools.ladder`).
+
+A stage with a ladder ends its module with one declaration, after its kernels and
+its reference::
+
+    LADDER = Ladder(
+        "gather",                                    # the module's name
+        (Rung("v1", lambda w: ..., "Algorithm 1 over the dense input table"),
+         Rung("v2", lambda w: ..., "+ per-point lists"), ...),
+        workload=_ladder_work,                       # Context -> the arrays the rungs read
+        reference=lambda w: gather_reference(...),   # the stage's NumPy reference
+        written=...,                                 # rows a kernel writes (None: all)
+    )
+
+``v1`` is the paper's algorithm as plainly as Numba allows; every later rung adds
+one thing, said in one line; the last is what the library runs.
+:mod:`numba_sc.tools.ladder` only loops over these declarations: it builds each
+workload from one shared :class:`Context`, runs every rung, compares it with the
+reference, and on a GPU times it.
+
+Names, one rule for every stage:
+
+* the ladder is named after its module (``voxelization``, ``output_coords``,
+  ``backward_search``, ``forward_search``, ``metadata``, ``gather``, ``scatter``,
+  ``pointwise``, ``fetch_on_demand``, ``implicit_gemm``);
+* what rung n adds is named ``<stage>_v<n>``: the kernel, or the kernel factory
+  where the kernel is compiled with sizes as constants (``gather_v3(tile, tiles)``
+  returns the kernel), or the host function where the rung is a different
+  sequence of launches (``backward_search_v1``: two kernels and a scan). Kernels
+  that are one step of such a rung are named for the step and the rung
+  (``pivot_bounds_v1``); kernels that every rung shares keep their plain names
+  (``quantize_kernel``);
+* where a module holds several operations and the ladder climbs one of them, the
+  operation's name stands for the stage's (:mod:`numba_sc.nn.pointwise`:
+  ``batch_norm_v1``, ``batch_norm_v2``);
+* the library enters the last rung through the stage's ``*_cuda`` function, the
+  counterpart of its ``*_reference``.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable
+
+import numpy as np
+
+from .backend import to_device, to_host
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One rung: its name (``"v1"``), how to run it, and what it adds to the one before."""
+
+    name: str
+    run: Callable  # run(work) -> the result, on the device
+    adds: str  # one line
+
+
+@dataclass(frozen=True)
+class Ladder:
+    """One stage's ladder: its rungs in order, its workload, its reference and how to compare.
+
+    ``workload(context)`` builds the arrays the rungs read (a dict) from a shared
+    :class:`Context`; ``reference(work)`` is the expected result on the host;
+    ``collect(result)`` turns a rung's result into the host array compared with it
+    (default: the result, copied to the host); ``written(work)`` the rows of that
+    array a kernel writes (default: all); ``tolerance`` the allowed error per dtype,
+    relative to the largest reference value (default: exact); ``needs`` the
+    :class:`Context` fields beyond the coordinates the workload needs (a ladder whose
+    needs are not given is left out).
+    """
+
+    stage: str
+    rungs: tuple
+    workload: Callable
+    reference: Callable
+    written: Callable | None = None
+    tolerance: dict | None = None
+    collect: Callable | None = None
+    needs: tuple = ()
+
+    @cached_property
+    def names(self) -> tuple:
+        """The rungs' names, in order: ``("v1", "v2", ...)``."""
+        return tuple(r.name for r in self.rungs)
+
+    @cached_property
+    def adds(self) -> dict:
+        """{rung name: what it adds}."""
+        return {r.name: r.adds for r in self.rungs}
+
+    def rung(self, name: str) -> Rung:
+        for r in self.rungs:
+            if r.name == name:
+                return r
+        raise ValueError(f"{self.stage}: rung must be one of {self.names}, got {name!r}")
+
+    def run(self, name: str, work):
+        """Run rung ``name`` on ``work``; the result on the device."""
+        return self.rung(name).run(work)
+
+    def result(self, name: str, work) -> np.ndarray:
+        """Rung ``name``'s result as the host array compared with the reference."""
+        res = self.run(name, work)
+        return self.collect(res) if self.collect else to_host(res)
+
+
+@dataclass
+class Context:
+    """What every ladder's workload is built from: a cloud's voxel coordinates (host,
+    (N, 3) int32), the channel count and dtype of the features, and, for the ladders
+    that need them, the scan's points (voxelized at ``voxel_size`` into ``coords``)
+    and the searches' block sizes ``(B, C)`` (small blocks make a crop's search cross
+    many source blocks, as the whole scan's does).
+
+    Workloads share what they build through :meth:`memo`; contexts that differ only
+    in dtype (``dataclasses.replace(ctx, dtype=...)``) share the cache, so the map and
+    the plan are built once for both dtypes.
+    """
+
+    coords: Any
+    channels: int = 8
+    dtype: str = "float32"
+    points: Any = None
+    voxel_size: float = 0.05
+    search_blocks: tuple = (512, 1024)
+    seed: int = 0
+    cache: dict = field(default_factory=dict, repr=False)
+
+    def memo(self, key, build: Callable):
+        """``build()``, made once per ``key`` and kept in the shared cache."""
+        if key not in self.cache:
+            self.cache[key] = build()
+        return self.cache[key]
+
+    def rng(self, name: str) -> np.random.Generator:
+        """A generator seeded by the context's seed and ``name``: the same values for
+        every stage that asks by that name."""
+        return np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+
+    def normal(self, name: str, shape: tuple, scale: float = 1.0):
+        """A device array of standard normal values times ``scale``, in the context's dtype."""
+        key = ("normal", name, tuple(shape), scale, self.dtype, self.seed)
+        return self.memo(key, lambda: to_device((self.rng(name).standard_normal(shape) * scale).astype(self.dtype)))
+
+    def device_coords(self):
+        """``coords`` on the device."""
+        return self.memo("coords", lambda: to_device(np.asarray(self.coords)))
+
+    def layer(self) -> dict:
+        """One 3x3x3 submanifold layer on ``coords``, its map and plan built by the
+        library's kernels: ``km`` (the kernel map, with masks), ``plan`` (its GMaS
+        plan), ``centre`` (the centre offset), ``tile`` (the tile the library would
+        pick), and, in the context's dtype, ``features`` (|P|, C), ``weight``
+        (K, C, C) and ``init`` (|Q|, C) (a centre product to add onto)."""
+        from ..gmas.autotune import heuristic_tile
+        from ..gmas.metadata import build_plan, submanifold_centre
+        from ..map.kernel_map import build_kernel_map
+
+        def build():
+            km = build_kernel_map(self.device_coords(), 3, backend="cuda", masks=True)
+            return {"km": km, "plan": build_plan(km, backend="cuda"), "centre": submanifold_centre(km)}
+
+        shared = self.memo("layer", build)
+        n, c = len(self.coords), self.channels
+        return dict(shared, tile=heuristic_tile(c, n, np.dtype(self.dtype).itemsize),
+                    features=self.normal("features", (n, c)), init=self.normal("init", (n, c)),
+                    weight=self.normal("weight", (27, c, c), 1 / np.sqrt(c)))
