@@ -16,6 +16,8 @@ docstring that teaches it, the NumPy reference and the CUDA kernels (Numba):
 The names below are the public API; every module is importable by its path
 (``numba_sc.map.kernel_map``, ``numba_sc.gmas.gather``, ...).
 """
+__version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
+
 from .core.device import gpu_present, simulating
 from .core.backend import resolve_backend
 from .core.conventions import kernel_offsets, key_delta, pack_keys, unpack_keys
@@ -30,6 +32,7 @@ from .map.kernel_map import KernelMap, build_kernel_map, choose_map_method
 from .gmas.metadata import GmasPlan, build_plan, grouping_report
 from .coords.output_coords import output_coordinates
 from .tools.trace import Trace, trace
+from .train.checkpoint import load, save
 from .coords.voxelization import Voxelization, voxelize
 
 __all__ = [
@@ -38,6 +41,5 @@ __all__ = [
     "build_kernel_map", "build_plan", "gpu_present", "grouping_report", "heuristic_tile",
     "kernel_offsets", "key_delta", "output_coordinates", "pack_keys", "padding_report",
     "resolve_backend", "simulating", "sparse_conv3d", "Trace", "trace", "unpack_keys", "voxelize",
-    "models", "nn", "spconv_format", "choose_dataflow", "choose_map_method",
+    "models", "nn", "spconv_format", "choose_dataflow", "choose_map_method", "save", "load",
 ]
-__version__ = "0.1.0"

@@ -54,6 +54,8 @@ What the forward search (stage 6) leaves for the metadata (stage 7)
 """
 from __future__ import annotations
 
+from typing import Any, Tuple, Union
+
 import numpy as np
 from numba import cuda
 
@@ -104,6 +106,12 @@ def chunk_size(threads: int | None = None) -> int:
     return (threads or metadata_threads()) * ITEMS_PER_THREAD
 
 
+# The types of the public signatures: an array is a NumPy or a CuPy array (CuPy is
+# optional, so it is named here, not imported); a size is one int or one per axis.
+Array = Any  # numpy.ndarray | cupy.ndarray
+IntOr3 = Union[int, Tuple[int, int, int]]
+
+
 # ------------------------------------------------------------ argument checks
 def as_int_tuple(value, name: str, *, minimum: int = 1) -> tuple[int, int, int]:
     """``3`` -> ``(3, 3, 3)``; ``(1, 3, 1)`` stays; anything else raises."""
@@ -146,8 +154,11 @@ def validate_coords(coords, name: str = "coords", check_range: bool = True) -> n
             "quantize float points with numba_sc.voxelize first")
     if coords.shape[0] == 0:
         raise ValueError(f"{name} is empty: a sparse tensor needs at least one coordinate")
-    if not check_range:
-        return coords.astype(xp.int32, copy=False)
+    info = np.iinfo(np.dtype(coords.dtype))
+    if not check_range and info.min >= np.iinfo(np.int32).min and info.max <= np.iinfo(np.int32).max:
+        return coords.astype(xp.int32, copy=False)  # fits int32: the packing checks the range
+    # Checked in the caller's own dtype, before any cast: uint32 4294967295 would
+    # otherwise become -1 and int64 2**32 + 5 become 5, silently other voxels.
     lo = xp.min(coords, axis=0)
     hi = xp.max(coords, axis=0)
     lo, hi = (np.asarray(lo.get() if is_cupy(lo) else lo), np.asarray(hi.get() if is_cupy(hi) else hi))

@@ -33,7 +33,7 @@ import numpy as np
 
 from . import conventions as cv
 from .device import array_module
-from .backend import like, to_host
+from .backend import like, to_device, to_host
 
 FEATURE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
@@ -95,7 +95,7 @@ class SparseTensor:
     that :mod:`numba_sc.nn` layers built on these coordinates.
     """
 
-    def __init__(self, coords, features, stride=1):
+    def __init__(self, coords: cv.Array, features: cv.Array, stride: cv.IntOr3 = 1):
         # Range: checked by pack_keys below (in a kernel for device arrays).
         coords = cv.validate_coords(coords, "coords", check_range=False)
         if not hasattr(features, "shape") or not hasattr(features, "dtype"):
@@ -112,8 +112,19 @@ class SparseTensor:
             raise TypeError(
                 f"features must be float32 or float16, got {features.dtype}; convert with "
                 "features.astype(np.float32)")
+        stride = cv.as_int_tuple(stride, "stride")
         coords = like(coords, features)  # one array kind: the features' (the big array)
         xp = array_module(coords)
+        if stride != (1, 1, 1):
+            # A tensor of stride s lives on the grid of multiples of s (in finest voxels);
+            # a coordinate off that grid would find no neighbour where the maps look.
+            off = (coords[:, coords.shape[1] - 3:] % xp.asarray(stride, dtype=coords.dtype) != 0).any(axis=1)
+            if bool(to_host(off.any())):
+                c = to_host(coords[int(to_host(xp.flatnonzero(off))[0])]).tolist()
+                raise ValueError(
+                    f"coords must be multiples of the tensor stride {stride} (in finest voxels), but "
+                    f"{c} is not; pass the coordinates a strided layer made, or stride=1 for a "
+                    "voxelized cloud")
         keys = cv.pack_keys(coords)
         order = xp.argsort(keys, kind="stable") if xp is np else xp.argsort(keys)
         skeys = keys[order]
@@ -138,7 +149,7 @@ class SparseTensor:
         self.coords = coords[order]
         self.features = features[order]
         self.order = order
-        self.stride = cv.as_int_tuple(stride, "stride")
+        self.stride = stride
         self._kernel_map = None
         self._maps = None
 
@@ -164,6 +175,43 @@ class SparseTensor:
         """The same coordinates and features with no maps: what a new cloud is (layers
         build their maps again). For timing a network as it meets a new scan."""
         return SparseTensor.from_layer(self.coords, self.features, self.stride, None)
+
+    def to(self, *args, dtype=None, device=None):
+        """The same tensor on ``device`` (``"cuda"``: CuPy arrays on the GPU, or NumPy
+        under the simulator; ``"cpu"``: NumPy) and/or with features of ``dtype``
+        (float32 or float16), given by name or by position as in PyTorch:
+        ``x.to("cuda")``, ``x.to(np.float16)``. Returns ``self`` when nothing
+        changes. A tensor that moves leaves its maps behind (they live on the
+        other side): layers build them again on first use."""
+        for a in args:
+            if isinstance(a, str):
+                device = a
+            else:
+                dtype = a
+        if device not in (None, "cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+        if dtype is not None and np.dtype(dtype) not in FEATURE_DTYPES:
+            raise TypeError(f"dtype must be float32 or float16, got {dtype!r}")
+        coords, features = self.coords, self.features
+        if device == "cuda":
+            coords, features = to_device(coords), to_device(features)
+        elif device == "cpu":
+            coords, features = to_host(coords), to_host(features)
+        if dtype is not None:
+            features = features.astype(dtype, copy=False)
+        if coords is self.coords and features is self.features:
+            return self
+        same_side = coords is self.coords
+        return SparseTensor.from_layer(coords, features, self.stride, self._kernel_map if same_side else None,
+                                       self.maps if same_side else None)
+
+    def cuda(self):
+        """:meth:`to` ``("cuda")``."""
+        return self.to(device="cuda")
+
+    def cpu(self):
+        """:meth:`to` ``("cpu")``: NumPy arrays."""
+        return self.to(device="cpu")
 
     @property
     def kernel_map(self):

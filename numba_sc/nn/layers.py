@@ -51,6 +51,7 @@ reference, for checking.
 from __future__ import annotations
 
 import contextvars
+import importlib.util
 import math
 from contextlib import contextmanager
 
@@ -60,7 +61,7 @@ from ..core import conventions as cv
 from ..gmas import gemm_grouping as gg
 from . import pointwise as pw
 from ..train.tape import add_param_grad, current_tape
-from ..core.device import array_module
+from ..core.device import array_module, gpu_present, simulating
 from ..core.backend import like, resolve_backend, to_device, to_host
 from ..train.conv_gradient import sparse_conv3d_backward
 from ..gmas.conv import convolve
@@ -87,6 +88,62 @@ def observe(fn):
         _OBSERVERS.remove(fn)
 
 
+def _require_device():
+    """``.cuda()`` needs a GPU with CuPy, or the simulator: say which is missing."""
+    if simulating():
+        return
+    if importlib.util.find_spec("cupy") is None:
+        raise RuntimeError("model.cuda() needs CuPy: pip install 'numba-sc[cuda12]' (or [cuda13]); "
+                           "without a GPU keep the model on the CPU (or set NUMBA_ENABLE_CUDASIM=1 "
+                           "before numba is imported, to run the kernels under the simulator)")
+    if not gpu_present():
+        raise RuntimeError("model.cuda(): no CUDA GPU is visible; keep the model on the CPU")
+
+
+def _positive_int(v, name):
+    """A layer's size argument: a positive int (not a float, a bool or an array)."""
+    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return int(v)
+
+
+def _number(v, name, what, ok):
+    """A float hyperparameter, checked by ``ok``; ``what`` says what is expected."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not np.isfinite(v) \
+            or not ok(float(v)):
+        raise ValueError(f"{name} must be {what}, got {v!r}")
+    return float(v)
+
+
+def _checked_value(key, new, old, module):
+    """A checkpoint's value for the parameter ``key`` (currently ``old``), checked: an
+    array of numbers of the right shape, finite, a variance not negative, an integer
+    parameter given whole numbers. Returns it as ``old``'s dtype, on the host."""
+    try:
+        value = np.asarray(to_host(new) if hasattr(new, "shape") else new)
+    except Exception as e:  # a ragged list, an object that is no array
+        raise TypeError(f"{key}: the checkpoint's value is not an array of numbers ({e})") from None
+    if not (np.issubdtype(value.dtype, np.number) or value.dtype == np.bool_):
+        raise TypeError(f"{key}: the checkpoint holds {value.dtype} values; a parameter must be numbers "
+                        f"(this one is {np.dtype(old.dtype).name})")
+    if tuple(value.shape) != tuple(old.shape):
+        raise ValueError(
+            f"{key}: the checkpoint has shape {tuple(value.shape)} but layer {module.name!r} "
+            f"({module!r}) expects {tuple(old.shape)}"
+            + ("; a spconv checkpoint? convert it with numba_sc.nn.spconv_format."
+               "state_dict_from_spconv(model, state)" if value.ndim == 5 else ""))
+    if np.issubdtype(value.dtype, np.inexact) and not np.isfinite(value).all():
+        raise ValueError(f"{key}: the checkpoint holds NaN or infinite values")
+    if np.issubdtype(np.dtype(old.dtype), np.integer) and np.issubdtype(value.dtype, np.inexact):
+        if not np.array_equal(value, np.round(value)):
+            raise ValueError(f"{key}: an integer parameter ({np.dtype(old.dtype).name}), but the checkpoint "
+                             f"holds fractions, e.g. {value.ravel()[0]!r}")
+    if key.endswith("running_var") and (value < 0).any():
+        raise ValueError(f"{key}: a variance cannot be negative, the checkpoint holds {value.min()!r}; "
+                         "the checkpoint is damaged or the keys are shifted")
+    return value.astype(old.dtype)
+
+
 # ------------------------------------------------------------------ Module
 class Module:
     """A layer, or a network of layers: parameters, and child modules.
@@ -102,6 +159,7 @@ class Module:
     def __init__(self):
         self.training = False
         self._name = None
+        self._path = None  # dotted path in the network it was last named in ("" for the root)
 
     # -- structure
     def children(self):
@@ -137,6 +195,13 @@ class Module:
     def _assign_names(self):
         for path, m in self.named_modules():
             m._name = path or type(self).__name__
+            m._path = path
+
+    def param_name(self, param: str) -> str:
+        """The name of parameter ``param`` of this layer as :meth:`named_parameters` of the
+        network it runs in gives it (``"stem.0.weight"``; ``"weight"`` for a layer run on
+        its own): the key of its gradient in :meth:`numba_sc.nn.Tape.backward`'s result."""
+        return f"{self._path}.{param}" if self._path else param
 
     # -- parameters
     def state_dict(self) -> dict:
@@ -160,35 +225,53 @@ class Module:
         for path, m in self.named_modules():
             for p in m._params:
                 owners[f"{path}.{p}" if path else p] = (m, p)
-        for k, (m, p) in owners.items():
-            if k not in state:
-                continue
-            new, old = state[k], getattr(m, p)
-            if tuple(np.shape(new)) != tuple(old.shape):
-                raise ValueError(
-                    f"{k}: the checkpoint has shape {tuple(np.shape(new))} but layer {m.name!r} "
-                    f"({m!r}) expects {tuple(old.shape)}"
-                    + ("; a spconv checkpoint? convert it with numba_sc.nn.spconv_format."
-                       "state_dict_from_spconv(model, state)" if np.ndim(new) == 5 else ""))
-            value = like(new, old).astype(old.dtype, copy=True)
-            if np.issubdtype(value.dtype, np.floating) and not bool(array_module(value).isfinite(value).all()):
-                raise ValueError(f"{k}: the checkpoint holds NaN or infinite values")
-            setattr(m, p, value)
+        checked = {}
+        for k, (m, p) in owners.items():  # every value checked before any parameter changes
+            if k in state:
+                checked[k] = _checked_value(k, state[k], getattr(m, p), m)
+        for k, value in checked.items():
+            m, p = owners[k]
+            old = getattr(m, p)
+            # In place: the parameter keeps its identity, so an optimizer built
+            # before the load goes on updating the arrays the model reads.
+            old[...] = like(value, old)
         return self
 
-    def to(self, dtype=None, device=None):
+    def to(self, *args, dtype=None, device=None):
         """Convolution and linear weights to ``dtype``; every parameter to ``device``
         (``"cuda"``: CuPy arrays on the GPU, or NumPy under the simulator;
-        ``"cpu"``: NumPy). Returns the module."""
+        ``"cpu"``: NumPy). As in PyTorch, either may be given by position:
+        ``model.to("cuda")``, ``model.to(np.float16)``, ``model.to("cuda", np.float16)``.
+        Returns the module.
+
+        A parameter that changes dtype or side is a new array; an optimizer built
+        before follows it by name at its next step (:mod:`numba_sc.train.optim`)."""
+        for a in args:
+            if isinstance(a, str) and a in ("cuda", "cpu"):
+                if device is not None:
+                    raise ValueError(f"two devices given: {device!r} and {a!r}")
+                device = a
+            else:
+                if dtype is not None:
+                    raise ValueError(f"two dtypes given: {dtype!r} and {a!r}")
+                dtype = a
         if device not in (None, "cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-        if dtype is not None and np.dtype(dtype) not in (np.dtype(np.float32), np.dtype(np.float16)):
-            raise TypeError(f"dtype must be float32 or float16, got {np.dtype(dtype)}")
+        if dtype is not None:
+            try:
+                dt = np.dtype(dtype)
+            except TypeError:
+                raise TypeError(f"to() takes a device ('cuda' or 'cpu') or a dtype (np.float32 or "
+                                f"np.float16), got {dtype!r}") from None
+            if dt not in (np.dtype(np.float32), np.dtype(np.float16)):
+                raise TypeError(f"dtype must be float32 or float16, got {dt}")
+        if device == "cuda":
+            _require_device()
         for _, m in self.named_modules():
             for p, role in m._params.items():
                 v = getattr(m, p)
                 if dtype is not None and role == "model":
-                    v = v.astype(dtype)
+                    v = v.astype(dtype, copy=False)  # (the same array when nothing changes)
                 if device == "cuda":
                     v = to_device(v)
                 elif device == "cpu":
@@ -220,6 +303,10 @@ class Module:
     def __call__(self, x, *args, backend=None, **kwargs):
         if self._name is None:
             self._assign_names()
+        if not isinstance(x, SparseTensor):
+            raise TypeError(f"layer {self.name!r} ({type(self).__name__}): x must be a numba_sc.SparseTensor "
+                            f"(coordinates and features), got {type(x).__name__}; make one with "
+                            "numba_sc.SparseTensor(coords, features)")
         token = _BACKEND.set(backend) if backend is not None else None
         try:
             y = self.forward(x, *args, **kwargs)
@@ -273,10 +360,8 @@ class ConvLayer(Module):
 
     def __init__(self, in_channels, out_channels, kernel_size, stride, dilation, bias, rng):
         super().__init__()
-        for name, v in (("in_channels", in_channels), ("out_channels", out_channels)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        self.in_channels, self.out_channels = int(in_channels), int(out_channels)
+        self.in_channels = _positive_int(in_channels, "in_channels")
+        self.out_channels = _positive_int(out_channels, "out_channels")
         self.kernel_size = cv.as_int_tuple(kernel_size, "kernel_size")
         self.stride = cv.as_int_tuple(stride, "stride")
         self.dilation = cv.as_int_tuple(dilation, "dilation")
@@ -333,7 +418,7 @@ class ConvLayer(Module):
     def _backward(self, x, km, transposed, g, params, bk, input_buffer=None):
         _bias_grad(self, g, params)
         dx, dw = sparse_conv3d_backward(x, self.weight, g, km, transposed, backend=bk, input_buffer=input_buffer)
-        add_param_grad(params, f"{self.name}.weight", dw, self.weight)
+        add_param_grad(params, self.param_name("weight"), dw, self.weight)
         return [dx]
 
     def extra_repr(self):
@@ -363,7 +448,7 @@ def pointwise_backward(features, matrix, g, backend):
 def _bias_grad(layer, g, params):
     """A layer's bias gradient (when it has a bias): the column sums of ``g``."""
     if "bias" in layer._params:
-        add_param_grad(params, f"{layer.name}.bias", pw.column_sums(g), layer.bias)
+        add_param_grad(params, layer.param_name("bias"), pw.column_sums(g), layer.bias)
 
 
 def _product_backward(layer, x, matrix, g, params, bk):
@@ -371,7 +456,7 @@ def _product_backward(layer, x, matrix, g, params, bk):
     convolution's ``weight[0]``, a Linear's ``weight``), then adds its bias."""
     _bias_grad(layer, g, params)
     dx, dm = pointwise_backward(x.features, matrix, g, bk)
-    add_param_grad(params, f"{layer.name}.weight", dm.reshape(layer.weight.shape), layer.weight)
+    add_param_grad(params, layer.param_name("weight"), dm.reshape(layer.weight.shape), layer.weight)
     return [dx]
 
 
@@ -433,6 +518,9 @@ class SparseConv3d(ConvLayer):
         if hit is not None:  # the same downsampling ran on these coordinates before
             km, coarse = hit
             y, kept = self._conv(x, kernel_map=km)
+            # This layer is now the one that made the coarse coordinates: a transposed
+            # layer that inverts it (another model on the same tensor, say) finds it.
+            coarse.up[key] = (km, x.maps, self)
         else:
             y, kept = self._conv(x, kernel_size=self.kernel_size, stride=self.stride, dilation=self.dilation)
             km, coarse = y.kernel_map, CoordinateMaps()
@@ -508,8 +596,9 @@ class BatchNorm(Module):
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1):
         super().__init__()
-        self.num_features, self.eps, self.momentum = int(num_features), float(eps), float(momentum)
-        c = self.num_features
+        self.num_features = c = _positive_int(num_features, "num_features")
+        self.eps = _number(eps, "eps", "a small positive number such as 1e-5", lambda v: v > 0)
+        self.momentum = _number(momentum, "momentum", "a number in [0, 1] such as 0.1", lambda v: 0 <= v <= 1)
         self.weight = np.ones(c, np.float32)
         self.bias = np.zeros(c, np.float32)
         self.running_mean = np.zeros(c, np.float32)
@@ -539,8 +628,8 @@ class BatchNorm(Module):
     def _backward(self, x, y, g, mean, var, relu, training, params, bk):
         dx, dweight, dbias, dres = pw.batch_norm_backward(g, x.features, y.features, self.weight, mean, var,
                                                           self.eps, relu, training, backend=bk)
-        add_param_grad(params, f"{self.name}.weight", dweight, self.weight)
-        add_param_grad(params, f"{self.name}.bias", dbias, self.bias)
+        add_param_grad(params, self.param_name("weight"), dweight, self.weight)
+        add_param_grad(params, self.param_name("bias"), dbias, self.bias)
         return [dx, dres]
 
     def _batch_statistics(self, features, bk):
@@ -582,7 +671,8 @@ class Linear(Module):
 
     def __init__(self, in_features, out_features, bias=True, rng=None):
         super().__init__()
-        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.in_features = _positive_int(in_features, "in_features")
+        self.out_features = _positive_int(out_features, "out_features")
         self.weight = _init_weight(rng, (self.in_features, self.out_features), self.in_features)
         self._params = {"weight": "model"}
         if bias:

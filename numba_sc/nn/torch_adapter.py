@@ -11,25 +11,42 @@ layers and train them with ``torch.optim``::
     from numba_sc.nn.torch_adapter import SparseConv
 
     x = ns.SparseTensor(coords, features)                 # the coordinates (and their maps)
-    conv = SparseConv(16, 32, kernel_size=3).cuda()       # a torch.nn.Module, weight (K, C_in, C_out)
-    f = torch.randn(len(x), 16, device="cuda", requires_grad=True)
-    out, y = conv(x, f)                                   # out: torch (|Q|, 32); y: its SparseTensor
-    out.square().sum().backward()                         # f.grad, conv.weight.grad
+    conv = TorchSubMConv3d(16, 32, kernel_size=3).cuda()  # a torch.nn.Module, weight (K, C_in, C_out)
+    f = torch.randn(len(x), 16, device="cuda", requires_grad=True)   # rows in coords' order
+    out, y = conv(x, f)                                   # out: torch (|P|, 32), rows in coords' order
+    out.square().sum().backward()                         # f.grad, conv.weight.grad, conv.bias.grad
 
-The functional form is :func:`sparse_conv`. Supported: submanifold, strided and
-transposed layers, float32 and float16 (as the library; ``torch.autograd.gradcheck``
-runs in float32 with loosened tolerances, the kernels have no float64).
+**Row order.** ``features`` follow the coordinates as the caller gave them to
+``SparseTensor`` (which sorts its rows and keeps the permutation in ``x.order``),
+and so does the output of a layer that keeps the coordinates (a submanifold
+layer); a strided or transposed layer's output follows ``y.coords``.
+
+**Maps** are kept on the coordinates, as :mod:`numba_sc.nn` keeps them: every
+layer of one kind on the same coordinates reuses the first one's map (and its
+plan), and a transposed layer finds the map of the strided layer that made its
+input's coordinates.
+
+The three kinds are :class:`TorchSubMConv3d`, :class:`TorchSparseConv3d` and
+:class:`TorchSparseInverseConv3d` (their initial weights come from torch's
+generator: ``torch.manual_seed`` decides them); :class:`SparseConv` takes the kind
+as arguments, and :func:`sparse_conv` is the functional form. float32 and float16,
+as the library (``torch.autograd.gradcheck`` runs in float32 with loosened
+tolerances: the kernels have no float64).
 """
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from ..train.conv_gradient import sparse_conv3d_backward
+from ..core import conventions as cv
+from ..core.tensor import CoordinateMaps, SparseTensor, map_key
 from ..gmas.conv import sparse_conv3d
-from ..core.tensor import SparseTensor
+from ..train.conv_gradient import sparse_conv3d_backward
 
-__all__ = ["SparseConv", "sparse_conv", "to_array", "to_tensor"]
+__all__ = ["SparseConv", "TorchSubMConv3d", "TorchSparseConv3d", "TorchSparseInverseConv3d", "sparse_conv",
+           "to_array", "to_tensor"]
 
 
 def to_array(t):
@@ -72,15 +89,66 @@ class _SparseConvFunction(torch.autograd.Function):
         return dx_t, dw_t, None, None, None
 
 
+_ADAPTER = SimpleNamespace(name="a numba_sc.nn.torch_adapter layer")  # who made a map, for error messages
+
+
+def _kept_map(x, kernel_size, stride, dilation, transposed):
+    """The map this layer reads, if one was built on ``x``'s coordinates before (and
+    where to keep a new one): ``(map or None, remember(y))``."""
+    ks, st, dil = (cv.as_int_tuple(v, n) for v, n in ((kernel_size, "kernel_size"), (stride, "stride"),
+                                                       (dilation, "dilation")))
+    maps = x.maps
+    if transposed:
+        hit = maps.up.get(map_key(ks, st, dil))
+        if hit is None:
+            raise ValueError(f"a transposed layer (kernel {ks}, stride {st}) needs the map of the strided "
+                             f"layer that made x's coordinates, but x ({len(x)} points) was made by none of "
+                             "that shape: run that strided layer first (its output y, then this layer on "
+                             "y's coordinates), or pass kernel_map=")
+        km, fine, _ = hit
+        return km, lambda y: setattr(y, "maps", fine)
+    if st == (1, 1, 1):
+        key = map_key(ks, dil)
+        km = maps.subm.get(key)
+
+        def remember(y):
+            maps.subm.setdefault(key, y.kernel_map)
+            y.maps = maps
+        return km, remember
+    key = map_key(ks, st, dil)
+    hit = maps.down.get(key)
+
+    def remember_down(y):
+        km_, coarse = maps.down.get(key) or (y.kernel_map, CoordinateMaps())
+        maps.down[key] = (km_, coarse)
+        coarse.up[key] = (km_, maps, _ADAPTER)
+        y.maps = coarse
+    return (hit[0] if hit else None), remember_down
+
+
+def _order_tensor(x, device):
+    """``x.order`` (the caller's row of each sorted row) as a torch tensor on ``device``,
+    or None when the caller's coordinates were sorted already."""
+    order = x.order
+    if order is None:
+        return None
+    t = to_tensor(order).to(device=device, dtype=torch.int64)
+    if bool((t == torch.arange(len(t), device=device)).all()):
+        return None
+    return t
+
+
 def sparse_conv(x, features, weight, kernel_size=3, stride=1, dilation=1, transposed=False, kernel_map=None,
-                backend=None):
-    """:func:`numba_sc.sparse_conv3d` on torch tensors, differentiable in ``features``
-    and ``weight``; returns ``(out, y)``: the output features as a torch tensor and
-    the output :class:`~numba_sc.SparseTensor` (its coordinates, stride and map).
+                backend=None, bias=None):
+    """:func:`numba_sc.sparse_conv3d` on torch tensors, differentiable in ``features``,
+    ``weight`` and ``bias``; returns ``(out, y)``: the output features as a torch tensor
+    and the output :class:`~numba_sc.SparseTensor` (its coordinates, stride and map).
 
     ``x`` gives the coordinates (its own features are not read); ``features``
-    (|P|, C_in) and ``weight`` (K, C_in, C_out) are torch tensors on one device, of
-    one dtype (float32 or float16)."""
+    (|P|, C_in), in the row order of the coordinates the caller gave ``x``,
+    ``weight`` (K, C_in, C_out) and ``bias`` (C_out,) or None are torch tensors on
+    one device, of one dtype (float32 or float16). ``kernel_map``: the map to read
+    (default: the one kept on ``x``'s coordinates, else a new one, kept there)."""
     if not isinstance(x, SparseTensor):
         raise TypeError(f"x must be a numba_sc.SparseTensor (the coordinates), got {type(x).__name__}")
     for name, t in (("features", features), ("weight", weight)):
@@ -89,30 +157,70 @@ def sparse_conv(x, features, weight, kernel_size=3, stride=1, dilation=1, transp
     if features.device != weight.device:
         raise ValueError(f"features are on {features.device} but weight is on {weight.device}: move both "
                          "to one device")
+    if features.ndim != 2 or features.shape[0] != len(x):
+        raise ValueError(f"features must have shape ({len(x)}, C_in), one row per coordinate of x, got "
+                         f"{tuple(features.shape)}")
+    remember = None
+    if kernel_map is None:
+        kernel_map, remember = _kept_map(x, kernel_size, stride, dilation, transposed)
+    order = _order_tensor(x, features.device)
+    sorted_features = features if order is None else features[order]
     holder = []
     kwargs = dict(kernel_size=kernel_size, stride=stride, dilation=dilation, transposed=transposed,
                   kernel_map=kernel_map, backend=backend)
-    out = _SparseConvFunction.apply(features, weight, x, kwargs, holder)
-    return out, holder[0]
+    out = _SparseConvFunction.apply(sorted_features, weight, x, kwargs, holder)
+    y = holder[0]
+    if remember is not None:
+        remember(y)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    if order is not None and not transposed and len(y) == len(x) and y.stride == x.stride:
+        # the same coordinates as x: back into the caller's row order
+        out = torch.empty_like(out).index_copy(0, order, out)
+    return out, y
 
 
 class SparseConv(torch.nn.Module):
     """A sparse convolution as a ``torch.nn.Module``: the weight a ``torch.nn.Parameter``
-    of shape (K, C_in, C_out) (numba-sc's layout), initialized as
-    :class:`numba_sc.nn.SubMConv3d` initializes its own. ``forward(x, features)`` ->
-    ``(out, y)`` as :func:`sparse_conv`."""
+    of shape (K, C_in, C_out) (numba-sc's layout), drawn from torch's generator as
+    :class:`numba_sc.nn.SubMConv3d` draws its own (He normal), and a bias (zeros)
+    unless ``bias=False``. ``forward(x, features)`` -> ``(out, y)`` as
+    :func:`sparse_conv`."""
 
     def __init__(self, in_channels, out_channels, kernel_size=3, stride=1, dilation=1, transposed=False,
-                 seed=0):
+                 bias=True):
         super().__init__()
-        from ..core.conventions import as_int_tuple
-
-        k = int(np.prod(as_int_tuple(kernel_size, "kernel_size")))
-        rng = np.random.default_rng(seed)
-        w = rng.standard_normal((k, in_channels, out_channels)) * np.sqrt(2.0 / (k * in_channels))
-        self.weight = torch.nn.Parameter(torch.from_numpy(w.astype(np.float32)))
+        for name, v in (("in_channels", in_channels), ("out_channels", out_channels)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        k = int(np.prod(cv.as_int_tuple(kernel_size, "kernel_size")))
+        w = torch.randn(k, in_channels, out_channels) * float(np.sqrt(2.0 / (k * in_channels)))
+        self.weight = torch.nn.Parameter(w)
+        self.bias = torch.nn.Parameter(torch.zeros(out_channels)) if bias else None
         self.kernel_size, self.stride, self.dilation, self.transposed = kernel_size, stride, dilation, transposed
 
     def forward(self, x, features, kernel_map=None):
         return sparse_conv(x, features, self.weight, self.kernel_size, self.stride, self.dilation,
-                           self.transposed, kernel_map)
+                           self.transposed, kernel_map, bias=self.bias)
+
+
+class TorchSubMConv3d(SparseConv):
+    """Submanifold convolution (outputs on the input's coordinates), as a torch module."""
+
+    def __init__(self, in_channels, out_channels, kernel_size=3, dilation=1, bias=True):
+        super().__init__(in_channels, out_channels, kernel_size, 1, dilation, False, bias)
+
+
+class TorchSparseConv3d(SparseConv):
+    """Strided convolution (outputs at ``floor(P / s) * s``), as a torch module."""
+
+    def __init__(self, in_channels, out_channels, kernel_size=2, stride=2, dilation=1, bias=True):
+        super().__init__(in_channels, out_channels, kernel_size, stride, dilation, False, bias)
+
+
+class TorchSparseInverseConv3d(SparseConv):
+    """Transposed convolution back onto the coordinates a strided layer of the same
+    ``kernel_size`` and ``stride`` started from, as a torch module."""
+
+    def __init__(self, in_channels, out_channels, kernel_size=2, stride=2, dilation=1, bias=True):
+        super().__init__(in_channels, out_channels, kernel_size, stride, dilation, True, bias)

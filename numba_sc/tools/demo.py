@@ -32,8 +32,17 @@ def _timed(fn, *args):
     return out, time.perf_counter() - t0
 
 
-def run_stages(points, features, voxel_size, crop=1500, stages=None, log=print):
-    """Run every stage with both backends; return table rows (and print them via ``log``)."""
+def _say(line):
+    """Print at once: a row appears as soon as its stage has run (stdout may be a pipe)."""
+    print(line, flush=True)
+
+
+HEAD = ("stage", "backend", "input", "output", "time", "agrees with reference")
+
+
+def run_stages(points, features, voxel_size, crop=1500, stages=None, log=_say):
+    """Run every stage with both backends; return table rows, each printed (via ``log``)
+    as soon as it is known, under a header printed first."""
     stages = stages or default_stages()
     full = make_context(points, features, voxel_size)
     if gpu_present():
@@ -44,26 +53,35 @@ def run_stages(points, features, voxel_size, crop=1500, stages=None, log=print):
         kctx, where = make_context(*sub, voxel_size), f"cuda (simulator, crop of {len(idx)} points)"
         log(f"No GPU: the CUDA kernels run under Numba's CUDA simulator on a crop of {len(idx)} "
             f"points; the NumPy reference runs on all {len(points)} points.")
+    widths = [max(len(HEAD[0]), *(len(st.name) for st in stages)), max(len(HEAD[1]), len(where)),
+              max(len(HEAD[2]), len(f"{len(points)} pts")), 18, 10, len(HEAD[5])]
+    for line in format_table([], widths).split("\n"):
+        log(line)
     rows = []
+
+    def add(row):
+        rows.append(row)
+        log(format_table([row], widths).split("\n")[-1])
+
     for st in stages:
         ref, t_ref = _timed(st.run, full, "reference")
-        rows.append((st.name, "reference", f"{len(points)} pts", st.size(ref), t_ref, "-"))
+        add((st.name, "reference", f"{len(points)} pts", st.size(ref), t_ref, "-"))
         if gpu_present():
             st.run(kctx, "cuda")  # first call compiles the kernels (~1 s each): keep it out of the time
         ker, t_ker = _timed(st.run, kctx, "cuda")
         ref_same = ref if kctx is full else st.run(kctx, "reference")
         problem = st.compare(ker, ref_same)
-        rows.append((st.name, where, f"{len(kctx['points'])} pts", st.size(ker), t_ker,
-                     "yes" if problem is None else f"NO: {problem}"))
-    log(format_table(rows))
+        add((st.name, where, f"{len(kctx['points'])} pts", st.size(ker), t_ker,
+             "yes" if problem is None else f"NO: {problem}"))
     return rows
 
 
-def format_table(rows):
-    head = ("stage", "backend", "input", "output", "time", "agrees with reference")
-    cells = [head] + [(a, b, c, d, f"{t * 1e3:.1f} ms", e) for a, b, c, d, t, e in rows]
-    widths = [max(len(str(r[i])) for r in cells) for i in range(len(head))]
-    lines = ["  ".join(str(v).ljust(w) for v, w in zip(r, widths)) for r in cells]
+def format_table(rows, widths=None):
+    """The rows under a header, in columns (``widths``: fixed column widths, else fitted)."""
+    cells = [HEAD] + [(a, b, c, d, f"{t * 1e3:.1f} ms", e) for a, b, c, d, t, e in rows]
+    if widths is None:
+        widths = [max(len(str(r[i])) for r in cells) for i in range(len(HEAD))]
+    lines = ["  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -81,7 +99,7 @@ def load_points(path, columns):
     return np.ascontiguousarray(data[:, :3]), feats
 
 
-def demo(points_file=None, columns=4, voxel_size=0.05, crop=1500, log=print):
+def demo(points_file=None, columns=4, voxel_size=0.05, crop=1500, log=_say):
     from .synthetic import lidar_scene
 
     if points_file:

@@ -6,6 +6,7 @@
     loss            cross-entropy and its gradient
     optim           SGD and AdamW, in place; learning-rate schedules
     labels          SemanticKITTI's label ids, classes, per-voxel labels and scores
+    checkpoint      save / load: a model's and an optimizer's state in one .npz file
     loop            one training step, and fitting a network to a labelled scan
 
 The loop's functions are importable from here: ``numba_sc.train.scan_tensor``, ...

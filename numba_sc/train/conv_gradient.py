@@ -70,6 +70,8 @@ from ..core.backend import like, resolve_backend, to_device, to_host
 from ..gmas.conv import check_map_fits, check_weight, launch_rows_for, layer_plan, gmas, resolve_tiles
 from ..gmas.gather import gather_cuda
 from ..core.tensor import SparseTensor
+from ..core.conventions import Array
+from ..map.kernel_map import KernelMap
 
 __all__ = ["sparse_conv3d_backward", "sparse_conv3d_backward_reference"]
 
@@ -134,7 +136,9 @@ def weight_grad_cuda(features, grad_out, plan, K, input_buffer=None):
     return dw
 
 
-def sparse_conv3d_backward(x, weight, grad_out, kernel_map, transposed=False, backend=None, input_buffer=None):
+def sparse_conv3d_backward(x: SparseTensor, weight: Array, grad_out: Array, kernel_map: KernelMap,
+                           transposed: bool = False, backend: str | None = None,
+                           input_buffer: Array | None = None) -> tuple[Array, Array]:
     """Gradients of a sparse convolution: ``(grad_features, grad_weight)``.
 
     Parameters

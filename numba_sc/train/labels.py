@@ -120,14 +120,28 @@ def load_semantickitti_labels(path) -> np.ndarray:
     return np.fromfile(path, dtype="<u4").astype(np.uint32, copy=False)
 
 
+def _label_words(labels, name="labels") -> np.ndarray:
+    """``labels`` as uint32 words; refused when they are not whole numbers in 0 .. 2**32 - 1
+    (a float id such as 40.7 would otherwise be read as 40)."""
+    a = np.asarray(to_host(labels))
+    if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.number):
+        raise TypeError(f"{name} must be an integer array of label words, got {a.dtype}")
+    if not np.issubdtype(a.dtype, np.integer):
+        if not (np.isfinite(a).all() and np.array_equal(a, np.round(a))):
+            raise ValueError(f"{name} must hold whole label ids, got {a[~np.isfinite(a) | (a != np.round(a))][:5]}")
+    if a.size and (a.min() < 0 or a.max() > np.iinfo(np.uint32).max):
+        raise ValueError(f"{name} must lie in 0 .. 2**32 - 1 (uint32 label words), got {a.min()} .. {a.max()}")
+    return a.astype(np.uint32)
+
+
 def semantic_ids(labels) -> np.ndarray:
     """The raw semantic id of each point: the low 16 bits of the label words."""
-    return (np.asarray(to_host(labels)).astype(np.uint32) & 0xFFFF).astype(np.int64)
+    return (_label_words(labels) & 0xFFFF).astype(np.int64)
 
 
 def instance_ids(labels) -> np.ndarray:
     """The instance id of each point: the high 16 bits of the label words."""
-    return (np.asarray(to_host(labels)).astype(np.uint32) >> 16).astype(np.int64)
+    return (_label_words(labels) >> 16).astype(np.int64)
 
 
 def learning_map(raw) -> np.ndarray:
@@ -153,6 +167,9 @@ def learning_map(raw) -> np.ndarray:
 
 def _check_labels(labels, num_classes, ignore_index, name):
     """``labels`` as an int64 host array whose values are in [0, num_classes) or ``ignore_index``."""
+    if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
+        raise ValueError(f"num_classes must be a positive int (SemanticKITTI: NUM_CLASSES = {NUM_CLASSES}), "
+                         f"got {num_classes!r}")
     a = np.asarray(to_host(labels))
     if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
         raise TypeError(f"{name} must be a 1-D integer array, got {a.dtype} of shape {a.shape}")

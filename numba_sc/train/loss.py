@@ -71,6 +71,9 @@ def _check_shapes(logits, target, weight):
     if logits.ndim != 2 or logits.shape[1] == 0:
         raise ValueError(f"logits must have shape (N, C), one row of class scores per point, "
                          f"got {tuple(logits.shape)}")
+    if logits.shape[0] == 0:
+        raise ValueError("logits has no rows: a loss over no points is undefined (an empty batch or "
+                         "an empty crop? skip it before the forward pass)")
     if np.dtype(logits.dtype) not in FLOAT_DTYPES:
         raise TypeError(f"logits must be float32 or float16, got {logits.dtype}")
     if not hasattr(target, "shape") or tuple(target.shape) != (logits.shape[0],):

@@ -65,7 +65,7 @@ import math
 import numpy as np
 
 from ..core.device import array_module, is_cupy
-from ..core.backend import to_host
+from ..core.backend import like, to_host
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
@@ -77,7 +77,8 @@ def _state_dtype(dtype):
 
 def _check_nonnegative(**values):
     for name, v in values.items():
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+        number = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+        if not (number and math.isfinite(v) and v >= 0):
             raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
 
 
@@ -138,6 +139,7 @@ class Optimizer:
         parameter changes, so a refused step leaves the parameters and the state
         as they were.
         """
+        self._follow(grads)
         self._check_grads(grads)
         for name, p in self.params.items():
             state = self.state[name]
@@ -146,6 +148,33 @@ class Optimizer:
             self._update(master, grads[name].astype(master.dtype, copy=False), state)
             if master is not p:
                 p[...] = master  # rounded to float16
+
+    def _follow(self, grads):
+        """Take up the arrays the model now holds under this optimizer's names.
+
+        The gradients of :meth:`numba_sc.nn.Tape.backward` carry the parameter arrays
+        the forward pass read (``grads.arrays``). When the model replaced one after
+        this optimizer was built (``model.cuda()``: a CuPy copy; ``model.half()``: a
+        float16 copy), the optimizer updates the new array from now on, with its
+        state (moments, a float32 master copy) moved to the new array's side. A
+        parameter whose shape changed is a different parameter: refused."""
+        arrays = getattr(grads, "arrays", None)
+        if not arrays:
+            return
+        for name, new in arrays.items():
+            old = self.params.get(name)
+            if old is None or new is old:
+                continue
+            if tuple(new.shape) != tuple(old.shape):
+                raise ValueError(f"parameter {name!r} is now {tuple(new.shape)}, but this optimizer was built "
+                                 f"for {tuple(old.shape)}: build a new optimizer for the new model")
+            if np.dtype(new.dtype) not in FLOAT_DTYPES:
+                raise TypeError(f"parameter {name!r} is now {new.dtype}: only float parameters can be trained")
+            self.params[name] = new
+            state = self.state[name]
+            for k, v in list(state.items()):
+                if hasattr(v, "shape"):
+                    state[k] = like(v, new)
 
     def _check_grads(self, grads):
         if not isinstance(grads, dict):
@@ -234,11 +263,20 @@ class Optimizer:
                     raise ValueError(f"state {k!r} of {name!r} has shape {v.shape}, the parameter "
                                      f"{tuple(p.shape)}")
                 new[name][k] = xp.array(v, dtype=_state_dtype(p.dtype))
+        settings = self.hyperparameters()
         for k, v in state_dict["hyperparameters"].items():
             if k not in self.HYPERPARAMETERS:
                 raise KeyError(f"unknown hyperparameter {k!r} for {type(self).__name__}")
-            setattr(self, k, tuple(v) if isinstance(v, list) else v)
+            settings[k] = tuple(v) if isinstance(v, list) else v
+        self.check_settings(**settings)  # a damaged state dict is refused before anything changes
+        for k, v in settings.items():
+            setattr(self, k, v)
         self.state = new
+
+    @staticmethod
+    def check_settings(lr, **_):
+        """Raise unless the settings are valid (each optimizer checks its own)."""
+        _check_nonnegative(lr=lr)
 
 
 class SGD(Optimizer):
@@ -260,11 +298,17 @@ class SGD(Optimizer):
     HYPERPARAMETERS = ("lr", "momentum", "weight_decay", "nesterov")
 
     def __init__(self, params, lr, momentum=0.0, weight_decay=0.0, nesterov=False):
-        _check_nonnegative(momentum=momentum, weight_decay=weight_decay)
-        if nesterov and momentum == 0:
-            raise ValueError("nesterov=True needs momentum > 0 (Nesterov is a kind of momentum)")
+        self.check_settings(lr, momentum, weight_decay, nesterov)
         super().__init__(params, lr)
         self.momentum, self.weight_decay, self.nesterov = float(momentum), float(weight_decay), bool(nesterov)
+
+    @staticmethod
+    def check_settings(lr, momentum=0.0, weight_decay=0.0, nesterov=False):
+        _check_nonnegative(lr=lr, momentum=momentum, weight_decay=weight_decay)
+        if not isinstance(nesterov, (bool, np.bool_)):
+            raise ValueError(f"nesterov must be True or False, got {nesterov!r}")
+        if nesterov and momentum == 0:
+            raise ValueError("nesterov=True needs momentum > 0 (Nesterov is a kind of momentum)")
 
     def _update(self, w, g, state):
         if self.weight_decay:
@@ -303,11 +347,18 @@ class AdamW(Optimizer):
     HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
-        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
-        _check_nonnegative(eps=eps, weight_decay=weight_decay)
+        self.check_settings(lr, betas, eps, weight_decay)
         super().__init__(params, lr)
         self.betas, self.eps, self.weight_decay = (float(betas[0]), float(betas[1])), float(eps), float(weight_decay)
+
+    @staticmethod
+    def check_settings(lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+        _check_nonnegative(lr=lr, eps=eps, weight_decay=weight_decay)
+        ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
+            isinstance(b, (int, float, np.integer, np.floating)) and not isinstance(b, bool) and 0 <= b < 1
+            for b in betas)
+        if not ok:
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
 
     def _update(self, w, g, state):
         beta1, beta2 = self.betas

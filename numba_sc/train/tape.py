@@ -33,6 +33,19 @@ from ..core.backend import like
 _TAPE = contextvars.ContextVar("numba_sc_tape", default=None)
 
 
+class Gradients(dict):
+    """What :meth:`Tape.backward` returns: parameter name -> gradient, and in
+    ``.arrays`` the parameter arrays the forward pass read, by the same names.
+
+    An optimizer built before the model's arrays were replaced (``model.cuda()``,
+    ``.half()``) finds the new arrays here and follows them, as a PyTorch optimizer
+    follows its parameters through ``.cuda()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.arrays = {}
+
+
 def current_tape():
     """The open :class:`Tape`, or None (then layers record nothing and pay nothing)."""
     return _TAPE.get()
@@ -60,9 +73,10 @@ class Tape:
         ``param_grads``."""
         self.steps.append((output, tuple(inputs), backward))
 
-    def backward(self, y, grad) -> dict:
+    def backward(self, y, grad) -> Gradients:
         """Play the steps back from ``grad`` = dL/d``y.features``; returns the parameters'
-        gradients by name (:meth:`numba_sc.nn.Module.named_parameters` names)."""
+        gradients by name (:meth:`numba_sc.nn.Module.named_parameters` names), a
+        :class:`Gradients`."""
         out = getattr(y, "features", y)
         if tuple(grad.shape) != tuple(out.shape):
             raise ValueError(f"grad must have the shape of y's features {tuple(out.shape)}, got "
@@ -74,7 +88,7 @@ class Tape:
             raise ValueError("y was not made by a layer called while this tape was open: run the "
                              "forward pass inside 'with Tape() as tape:'")
         grads = {id(out): grad}
-        params = {}
+        params = Gradients()
         for output, inputs, step in reversed(self.steps):
             g = grads.pop(id(output), None)
             if g is None:  # this layer's output does not reach y
@@ -99,3 +113,5 @@ def add_param_grad(params: dict, name: str, g, param):
     the side of the parameter array ``param`` (host or device), as an optimizer wants."""
     g = like(g, param)
     params[name] = g if name not in params else params[name] + g
+    if isinstance(params, Gradients):
+        params.arrays[name] = param

@@ -10,7 +10,8 @@ import numba_sc as ns  # noqa: E402
 from numba_sc.core.device import gpu_present, simulating  # noqa: E402
 from numba_sc.core.backend import to_host
 from numba_sc.train.conv_gradient import sparse_conv3d_backward  # noqa: E402
-from numba_sc.nn.torch_adapter import SparseConv, sparse_conv, to_array, to_tensor  # noqa: E402
+from numba_sc.nn.torch_adapter import (SparseConv, TorchSparseConv3d, TorchSparseInverseConv3d,  # noqa: E402
+                                       TorchSubMConv3d, sparse_conv, to_array, to_tensor)
 
 from conftest import crop, load_scan  # noqa: E402
 
@@ -105,3 +106,62 @@ def test_module_trains_with_torch_optim():
     assert losses[-1] < losses[0]
     with pytest.raises(TypeError, match="features must be a torch.Tensor"):
         sparse_conv(x, np.zeros((len(coords), 4), np.float32), conv.weight)
+
+
+def test_unsorted_coordinates_give_the_sorted_result_in_the_callers_order():
+    """Features go in, and a submanifold layer's outputs come out, in the row order of the
+    coordinates the caller gave (SparseTensor sorts its own rows)."""
+    coords = to_host(_coords(150))
+    perm = np.random.default_rng(3).permutation(len(coords))
+    f = torch.tensor(np.random.default_rng(4).standard_normal((len(coords), 3)).astype(np.float32), device=DEVICE)
+    w = torch.tensor(np.random.default_rng(5).standard_normal((27, 3, 2)).astype(np.float32), device=DEVICE)
+
+    def run(c, feats):
+        c = __import__("cupy").asarray(c) if ON_GPU else c
+        x = ns.SparseTensor(c, to_array(torch.zeros(len(c), 3, device=DEVICE)))
+        return sparse_conv(x, feats, w, 3)[0].cpu().numpy()
+
+    in_order = run(coords, f)
+    shuffled = run(coords[perm], f[torch.as_tensor(perm, device=DEVICE)])
+    np.testing.assert_allclose(shuffled, in_order[perm], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(shuffled, in_order)  # (the permutation did move rows)
+
+
+def test_initial_weights_follow_torch_manual_seed_and_bias_is_added():
+    torch.manual_seed(0)
+    a = TorchSubMConv3d(4, 3)
+    torch.manual_seed(0)
+    b = TorchSubMConv3d(4, 3)
+    torch.manual_seed(1)
+    c = TorchSubMConv3d(4, 3)
+    assert torch.equal(a.weight, b.weight) and not torch.equal(a.weight, c.weight)
+    assert a.bias is not None and TorchSubMConv3d(4, 3, bias=False).bias is None
+    coords = _coords(80)
+    x = ns.SparseTensor(coords, to_array(torch.zeros(len(coords), 4, device=DEVICE)))
+    a = a.to(DEVICE)
+    f = torch.randn(len(coords), 4, device=DEVICE)
+    with torch.no_grad():
+        a.bias.fill_(0.5)
+        with_bias = a(x, f)[0]
+        a.bias.zero_()
+        without = a(x, f)[0]
+    torch.testing.assert_close(with_bias - without, torch.full_like(without, 0.5))
+
+
+def test_maps_are_kept_on_the_coordinates_and_the_three_kinds_chain():
+    coords = _coords(200)
+    x = ns.SparseTensor(coords, to_array(torch.zeros(len(coords), 4, device=DEVICE)))
+    f = torch.randn(len(coords), 4, device=DEVICE)
+    first, second = TorchSubMConv3d(4, 4).to(DEVICE), TorchSubMConv3d(4, 4).to(DEVICE)
+    _, y1 = first(x, f)
+    _, y2 = second(x, f)
+    assert y2.kernel_map is y1.kernel_map  # built once, read by both layers
+    down, up = TorchSparseConv3d(4, 6).to(DEVICE), TorchSparseInverseConv3d(6, 4).to(DEVICE)
+    g, yd = down(x, f)
+    back, yb = up(yd, g)
+    assert tuple(back.shape) == (len(x), 4) and len(yb) == len(x)
+    np.testing.assert_array_equal(to_host(yb.coords), to_host(x.coords))
+    back.sum().backward()
+    assert down.weight.grad is not None and up.weight.grad is not None
+    with pytest.raises(ValueError, match="transposed layer .* needs the map of the strided layer"):
+        TorchSparseInverseConv3d(4, 4, kernel_size=3, stride=2).to(DEVICE)(x, f)
