@@ -1,9 +1,11 @@
-"""Command line: ``python -m numba_sc demo``, ``check``, ``ladder`` and ``train``.
+"""The numba-sc command (also python -m numba_sc): demo, check, ladder, train.
 
-``demo`` runs every stage on a scan and times kernels beside references;
-``check`` compares each stage's kernel with its reference and locates mismatches;
-``ladder`` runs each stage's kernels rung by rung (:mod:`numba_sc.tools.ladder`);
-``train`` fits MinkUNet42 to the labelled SemanticKITTI scan (:mod:`numba_sc.train`).
+demo    runs every stage on a scan and times the kernels beside the NumPy references;
+check   compares each stage's kernel with its reference and locates the first mismatch;
+ladder  runs each stage's kernels rung by rung (numba_sc.tools.ladder);
+train   fits MinkUNet42 to the labelled SemanticKITTI scan (numba_sc.train).
+
+Without a GPU the kernels run under Numba's CUDA simulator, on a crop of the cloud.
 """
 from __future__ import annotations
 
@@ -28,46 +30,108 @@ def _ensure_kernels_can_run():
     os.execve(sys.executable, [sys.executable, "-m", "numba_sc", *sys.argv[1:]], env)
 
 
+EXAMPLES = """examples:
+  numba-sc demo                                  every stage on a synthetic LiDAR scene
+  numba-sc demo --points scan.bin --columns 4    ... on a KITTI-style float32 .bin file
+  numba-sc check --stage gather                  one stage's kernel against its reference
+  numba-sc ladder --list                         every stage's rungs, and what each adds
+  numba-sc ladder gather scatter --dtypes float16
+  numba-sc train --steps 300 --out curve.json    fit MinkUNet42 to the labelled scan
+"""
+
+
+def _at_least(low, kind=int):
+    """An argparse type: a ``kind`` number >= ``low``, with a message that says so."""
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
+        if not v >= low or (kind is float and v != v):
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return v
+    parse.__name__ = f"{kind.__name__} >= {low}"
+    return parse
+
+
+def _positive_float(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number")
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return v
+
+
+def _dtypes(text):
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names or any(n not in ("float32", "float16") for n in names):
+        raise argparse.ArgumentTypeError(f"a comma-separated list of float32 and float16, got {text!r}")
+    return names
+
+
+def _version():
+    from . import __version__
+
+    return __version__
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m numba_sc", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="run every stage on a scan, kernels against references")
+    parser = argparse.ArgumentParser(prog="numba-sc", description=__doc__, epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"numba-sc {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,check,ladder,train}")
+    cols, crop = _at_least(3), _at_least(1)
+
+    def command(name, help_, example):
+        return sub.add_parser(name, help=help_, description=help_, epilog=f"example:\n  {example}",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    d = command("demo", "run every stage on a scan, kernels against references",
+                "numba-sc demo --points scan.bin --columns 4 --crop 1000")
     d.add_argument("--points", help="KITTI-style float32 .bin file (default: a synthetic LiDAR scene)")
-    d.add_argument("--columns", type=int, default=4, help="float32 columns per point in --points (default 4)")
-    d.add_argument("--voxel-size", type=float, default=0.05, help="voxel edge in metres (default 0.05)")
-    d.add_argument("--crop", type=int, default=1500, help="points the simulated kernels run on (default 1500)")
-    c = sub.add_parser("check", help="compare every stage's kernel with its reference, locate mismatches")
+    d.add_argument("--columns", type=cols, default=4, help="float32 columns per point in --points (default 4)")
+    d.add_argument("--voxel-size", type=_positive_float, default=0.05, help="voxel edge in metres (default 0.05)")
+    d.add_argument("--crop", type=crop, default=1500, help="points the simulated kernels run on (default 1500)")
+    c = command("check", "compare every stage's kernel with its reference, locate mismatches",
+                "numba-sc check --stage 'kernel map' --crop 800")
     c.add_argument("--points", help="KITTI-style float32 .bin file (default: a synthetic LiDAR scene)")
-    c.add_argument("--columns", type=int, default=4, help="float32 columns per point in --points (default 4)")
-    c.add_argument("--voxel-size", type=float, default=0.05, help="voxel edge in metres (default 0.05)")
+    c.add_argument("--columns", type=cols, default=4, help="float32 columns per point in --points (default 4)")
+    c.add_argument("--voxel-size", type=_positive_float, default=0.05, help="voxel edge in metres (default 0.05)")
     c.add_argument("--stage", help="only the stages whose name contains this text")
-    c.add_argument("--crop", type=int, default=1500, help="points the simulated kernels run on (default 1500)")
-    lad = sub.add_parser("ladder", help="each stage's kernels rung by rung: agreement (no GPU) or GPU times")
+    c.add_argument("--crop", type=crop, default=1500, help="points the simulated kernels run on (default 1500)")
+    lad = command("ladder", "each stage's kernels rung by rung: agreement (no GPU) or GPU times",
+                  "numba-sc ladder gather scatter --channels 16 --dtypes float32")
     lad.add_argument("stages", nargs="*", metavar="STAGE",
                      help="stage modules, e.g. gather scatter forward_search (default: all; --list names them)")
     lad.add_argument("--list", action="store_true", help="name every stage's ladder, its rungs and what each adds")
     lad.add_argument("--points", help="KITTI-style float32 .bin file (default: the SemanticKITTI scan in "
                                       "$NUMBA_SC_DATA or ../shared/data, else a synthetic LiDAR scene)")
-    lad.add_argument("--columns", type=int, default=4, help="float32 columns per point in --points (default 4)")
-    lad.add_argument("--voxel-size", type=float, default=0.05, help="voxel edge in metres (default 0.05)")
-    lad.add_argument("--crop", type=int, default=300,
+    lad.add_argument("--columns", type=cols, default=4, help="float32 columns per point in --points (default 4)")
+    lad.add_argument("--voxel-size", type=_positive_float, default=0.05, help="voxel edge in metres (default 0.05)")
+    lad.add_argument("--crop", type=crop, default=300,
                      help="points the simulated kernels run on, without a GPU (default 300)")
-    lad.add_argument("--channels", type=int, default=None, help="channels (default 64 on a GPU, 8 simulated)")
-    lad.add_argument("--dtypes", default="float32,float16")
-    lad.add_argument("--rounds", type=int, default=20, help="timed rounds on a GPU (default 20)")
+    lad.add_argument("--channels", type=_at_least(1), default=None,
+                     help="channels (default 64 on a GPU, 8 simulated)")
+    lad.add_argument("--dtypes", type=_dtypes, default="float32,float16",
+                     help="feature dtypes, comma-separated: float32, float16 (default both)")
+    lad.add_argument("--rounds", type=_at_least(1), default=20, help="timed rounds on a GPU (default 20)")
     lad.add_argument("--out", help="write the table as JSON (with device, date and command)")
     lad.add_argument("--note", default="", help="what code this run measured (recorded with --out)")
-    tr = sub.add_parser("train", help="fit MinkUNet42 to the labelled SemanticKITTI scan (an overfitting check)")
+    tr = command("train", "fit MinkUNet42 to the labelled SemanticKITTI scan (an overfitting check)",
+                 "numba-sc train --steps 100 --crop 2000 --out curve.json")
     tr.add_argument("--data", help="folder with semantickitti_000000.bin/.label (default $NUMBA_SC_DATA or "
                                    "../shared/data)")
-    tr.add_argument("--steps", type=int, default=300)
-    tr.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak learning rate (cosine schedule)")
-    tr.add_argument("--width", type=float, default=1.0, help="MinkUNet42 channel multiplier (default 1.0)")
-    tr.add_argument("--crop", type=int, default=None,
+    tr.add_argument("--steps", type=_at_least(1), default=300, help="training steps (default 300)")
+    tr.add_argument("--lr", type=_positive_float, default=2e-3, help="AdamW's peak learning rate (cosine schedule)")
+    tr.add_argument("--width", type=_positive_float, default=1.0,
+                    help="MinkUNet42 channel multiplier (default 1.0)")
+    tr.add_argument("--crop", type=crop, default=None,
                     help="train on this many points around one point (default: the whole scan on a GPU, "
                          "600 points without one)")
-    tr.add_argument("--log-every", type=int, default=10)
-    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--log-every", type=_at_least(1), default=10, help="print every this many steps (default 10)")
+    tr.add_argument("--seed", type=_at_least(0), default=0)
     tr.add_argument("--out", help="write the loss and score curve as JSON (with device, date and command)")
     args = parser.parse_args(argv)
 
@@ -121,19 +185,20 @@ def _train(args):
     from .core.device import gpu_present, simulating
     from .tools.check import crop_points
 
-    if args.steps < 1:
-        print(f"--steps must be at least 1, got {args.steps}", file=sys.stderr)
-        return 2
     folder = _data_folder("semantickitti_000000.label", args.data)
     if folder is None:
         print("semantickitti_000000.bin/.label not found: pass --data FOLDER", file=sys.stderr)
         return 2
     points = np.fromfile(folder / "semantickitti_000000.bin", np.float32).reshape(-1, 4)
     raw = labels.load_semantickitti_labels(folder / "semantickitti_000000.label")
+    if len(raw) != len(points):
+        print(f"{folder}: semantickitti_000000.label has {len(raw):,} labels but the .bin has {len(points):,} "
+              "points; they must be a scan and its own labels, one label per point", file=sys.stderr)
+        return 2
     on_gpu = gpu_present() and not simulating()
     crop = args.crop if args.crop is not None else (None if on_gpu else 600)
     if crop:
-        keep = crop_points(points, crop)
+        keep = crop_points(points[:, :3], crop)  # (x, y, z: not the remission column)
         points, raw = points[keep], raw[keep]
     backend = "cuda" if on_gpu else "reference"
     x, target, inverse, point_target = train.scan_tensor(points, raw, 0.05, backend)
@@ -191,7 +256,8 @@ def _ladder(args):
     print(f"{source or 'synthetic LiDAR scene'}: {len(coords)} voxels at {args.voxel_size} m"
           + ("" if on_gpu else f" (a crop of {len(points)} points: kernels under the simulator, no times)"))
     channels = args.channels or (64 if on_gpu else 8)
-    rows = run_ladder(stages, coords, channels, args.dtypes.split(","), args.rounds, args.out, args.note,
+    dtypes = args.dtypes if isinstance(args.dtypes, list) else _dtypes(args.dtypes)
+    rows = run_ladder(stages, coords, channels, dtypes, args.rounds, args.out, args.note,
                       points=points, voxel_size=args.voxel_size)
     bad = [r for r in rows if not r["agrees"]]
     if bad:

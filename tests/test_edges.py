@@ -67,6 +67,8 @@ CASES = [
      (ValueError, r"num_batches_tracked: an integer parameter")),
     ("strings in a checkpoint", lambda: _load_bn(weight=np.array(["a", "b"])),
      (TypeError, r"weight: the checkpoint holds <U1 values")),
+    ("complex numbers in a checkpoint", lambda: _load_bn(weight=np.array([1 + 2j, 1])),
+     (TypeError, r"weight: the checkpoint holds complex128 values")),
     ("BatchNorm eps < 0", lambda: nn.BatchNorm(3, eps=-1e-5), (ValueError, r"eps must be a small positive number")),
     ("BatchNorm(-1)", lambda: nn.BatchNorm(-1), (ValueError, r"num_features must be a positive int, got -1")),
     ("Linear(3.7, 2)", lambda: nn.Linear(3.7, 2), (ValueError, r"in_features must be a positive int, got 3.7")),
@@ -155,6 +157,25 @@ def test_an_optimizer_built_before_a_change_trains(change, rng):
         assert all(opt.params[k] is v for k, v in model.trainable_parameters())
 
 
+@pytest.mark.skipif(not ns.gpu_present(), reason="under the simulator .cuda() keeps the very same NumPy arrays")
+def test_an_optimizer_built_before_cuda_follows_the_device_arrays(rng):
+    import cupy
+
+    x, target, model = _small_problem(rng)
+    opt = optim.SGD(model.trainable_parameters(), lr=0.05, momentum=0.9)
+    model.cuda()
+    x = x.cuda()
+    losses = []
+    for _ in range(8):
+        with nn.Tape() as tape:
+            y = model(x)
+        loss, g = cross_entropy(y.features, cupy.asarray(target))
+        opt.step(tape.backward(y, g))
+        losses.append(float(loss))
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert all(opt.params[k] is v and isinstance(v, cupy.ndarray) for k, v in model.trainable_parameters())
+
+
 def test_a_layer_trained_on_its_own_names_its_gradients_as_its_parameters(rng):
     x, target, _ = _small_problem(rng)
     layer = nn.SubMConv3d(4, 3, 3)
@@ -214,3 +235,54 @@ def test_two_models_on_one_tensor():
     yb = b(x, backend="reference")
     assert ya.features.shape == yb.features.shape == (len(x), 5)
     np.testing.assert_array_equal(a(x, backend="reference").features, ya.features)
+
+
+# ---------------------------------------------------------------- the command line
+@pytest.mark.parametrize("argv,words", [
+    (["check", "--crop", "-5"], "argument --crop: must be at least 1, got -5"),
+    (["train", "--crop", "-5"], "argument --crop: must be at least 1, got -5"),
+    (["train", "--crop", "0"], "argument --crop: must be at least 1, got 0"),
+    (["train", "--log-every", "0"], "argument --log-every: must be at least 1, got 0"),
+    (["train", "--steps", "0"], "argument --steps: must be at least 1"),
+    (["train", "--lr", "nan"], "argument --lr: must be a positive number"),
+    (["demo", "--voxel-size", "0"], "argument --voxel-size: must be a positive number"),
+    (["demo", "--columns", "2"], "argument --columns: must be at least 3"),
+    (["ladder", "--dtypes", ""], "argument --dtypes: a comma-separated list of float32 and float16"),
+    (["ladder", "--dtypes", "float64"], "argument --dtypes: a comma-separated list of float32 and float16"),
+    (["ladder", "--channels", "0"], "argument --channels: must be at least 1, got 0"),
+    (["ladder", "--rounds", "x"], "argument --rounds: 'x' is not an integer"),
+])
+def test_command_line_refuses_out_of_range_numbers(argv, words, capsys):
+    from numba_sc.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_command_line_version_and_help_are_plain_text(capsys):
+    from numba_sc.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"numba-sc {ns.__version__}"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text and ":mod:" not in text and "numba-sc train --steps 300" in text
+    for command in ("demo", "check", "ladder", "train"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "example:\n  numba-sc " + command in capsys.readouterr().out
+
+
+def test_train_refuses_labels_of_another_length(tmp_path, capsys):
+    from numba_sc.__main__ import main
+    from conftest import DATA_DIR
+
+    pts = np.fromfile(DATA_DIR / "semantickitti_000000.bin", np.float32)
+    pts[:4 * 50].tofile(tmp_path / "semantickitti_000000.bin")  # 50 points
+    np.zeros(40, np.uint32).tofile(tmp_path / "semantickitti_000000.label")  # 40 labels
+    assert main(["train", "--data", str(tmp_path), "--steps", "1", "--crop", "20"]) == 2
+    assert "has 40 labels but the .bin has 50 points" in capsys.readouterr().err

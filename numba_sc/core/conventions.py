@@ -113,6 +113,55 @@ IntOr3 = Union[int, Tuple[int, int, int]]
 
 
 # ------------------------------------------------------------ argument checks
+FEATURE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))  # what features (and weights) may be
+
+
+def is_array(a) -> bool:
+    """A NumPy or CuPy array (or anything with a shape and a dtype)."""
+    return hasattr(a, "shape") and hasattr(a, "dtype")
+
+
+def check_features(features, name: str = "features"):
+    """``features`` (N, C) float32 or float16: the rows of a layer's input."""
+    if not is_array(features):
+        raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(features).__name__}")
+    if features.ndim != 2:
+        raise ValueError(f"{name} must have shape (N, C), one row per point, got {tuple(features.shape)}")
+    if np.dtype(features.dtype) not in FEATURE_DTYPES:
+        raise TypeError(f"{name} must be float32 or float16, got {features.dtype}; convert with "
+                        f"{name}.astype(np.float32)")
+
+
+def check_weight(weight, K: int, c_in: int, dtype, why: str = "", where: str = ""):
+    """A convolution's ``weight``: (K, C_in, C_out), one (C_in, C_out) matrix per offset, of
+    the features' ``dtype``. ``why`` says where K comes from; ``where`` names the layer."""
+    if not is_array(weight):
+        raise TypeError(f"{where}weight must be a NumPy or CuPy array, got {type(weight).__name__}")
+    if weight.ndim != 3 or weight.shape[0] != K or weight.shape[1] != c_in:
+        raise ValueError(f"{where}weight must have shape (K, C_in, C_out) = ({K}, {c_in}, C_out){why}, got "
+                         f"{tuple(weight.shape)}")
+    if np.dtype(weight.dtype) != np.dtype(dtype):
+        raise TypeError(f"{where}weight is {weight.dtype} but features are {np.dtype(dtype)}: they must match, "
+                        f"e.g. weight.astype(np.{np.dtype(dtype).name})")
+
+
+def check_init(init, n_out: int, c_out: int, dtype=None):
+    """What a layer's outputs start from (the centre product): None, or (n_out, C_out) floats
+    (of ``dtype`` when given)."""
+    if init is None:
+        return
+    if not is_array(init):
+        raise TypeError(f"init must be a NumPy or CuPy array or None, got {type(init).__name__}")
+    if tuple(init.shape) != (n_out, c_out):
+        raise ValueError(f"init must have shape (n_out, C_out) = ({n_out}, {c_out}), one row per output, "
+                         f"got {tuple(init.shape)}")
+    if dtype is not None and np.dtype(init.dtype) != np.dtype(dtype):
+        raise TypeError(f"init is {init.dtype} but features are {np.dtype(dtype)}: convert init, e.g. "
+                        f"init.astype(np.{np.dtype(dtype).name})")
+    if not np.issubdtype(np.dtype(init.dtype), np.floating):
+        raise TypeError(f"init must be a float array, got {init.dtype}")
+
+
 def as_int_tuple(value, name: str, *, minimum: int = 1) -> tuple[int, int, int]:
     """``3`` -> ``(3, 3, 3)``; ``(1, 3, 1)`` stays; anything else raises."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):

@@ -35,7 +35,6 @@ from . import conventions as cv
 from .device import array_module
 from .backend import like, to_device, to_host
 
-FEATURE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 
 class CoordinateMaps:
@@ -108,7 +107,7 @@ class SparseTensor:
             raise ValueError(
                 f"features has {features.shape[0]} rows but coords has {coords.shape[0]}: "
                 "there must be one feature row per coordinate")
-        if np.dtype(features.dtype) not in FEATURE_DTYPES:
+        if np.dtype(features.dtype) not in cv.FEATURE_DTYPES:
             raise TypeError(
                 f"features must be float32 or float16, got {features.dtype}; convert with "
                 "features.astype(np.float32)")
@@ -190,7 +189,7 @@ class SparseTensor:
                 dtype = a
         if device not in (None, "cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-        if dtype is not None and np.dtype(dtype) not in FEATURE_DTYPES:
+        if dtype is not None and np.dtype(dtype) not in cv.FEATURE_DTYPES:
             raise TypeError(f"dtype must be float32 or float16, got {dtype!r}")
         coords, features = self.coords, self.features
         if device == "cuda":

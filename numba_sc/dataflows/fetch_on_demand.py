@@ -154,9 +154,7 @@ from ..core.device import device_xp, simulating
 from ..core.backend import filled, to_device, to_host
 from ..core.launch import launch
 from ..core.rungs import Ladder, Rung
-from ..core.tensor import FEATURE_DTYPES
-
-FLOAT_DTYPES = FEATURE_DTYPES  # the feature dtypes, defined once (numba_sc.core.tensor)
+from ..core import conventions as cv
 
 # Pairs per block of the plan: what one thread block of v2 covers (one kernel
 # tile of TILE_P pairs on the GPU). Under the simulator every CUDA thread is a
@@ -338,35 +336,6 @@ def fetch_plan(table, counts_host, skip=-1, tile_p=None) -> FetchPlan:
 
 
 # ------------------------------------------------------------------ checks
-def _check_features_weight(features, weight, K):
-    for name, a in (("features", features), ("weight", weight)):
-        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-            raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(a).__name__}")
-    if features.ndim != 2:
-        raise ValueError(f"features must have shape (n_in, C_in), got {tuple(features.shape)}")
-    if np.dtype(features.dtype) not in FLOAT_DTYPES:
-        raise TypeError(f"features must be float32 or float16, got {features.dtype}")
-    c_in = features.shape[1]
-    if weight.ndim != 3 or weight.shape[0] != K or weight.shape[1] != c_in:
-        raise ValueError(f"weight must have shape (K, C_in, C_out) = ({K}, {c_in}, C_out): one "
-                         f"(C_in, C_out) matrix per offset of the map, got {tuple(weight.shape)}")
-    if weight.dtype != features.dtype:
-        raise TypeError(f"weight is {weight.dtype} but features are {features.dtype}: convert one, e.g. "
-                        f"weight.astype(np.{np.dtype(features.dtype).name})")
-
-
-def _check_init(init, n_out, c_out):
-    if init is None:
-        return
-    if not hasattr(init, "shape") or not hasattr(init, "dtype"):
-        raise TypeError(f"init must be a NumPy or CuPy array or None, got {type(init).__name__}")
-    if tuple(init.shape) != (n_out, c_out):
-        raise ValueError(f"init must have shape (n_out, C_out) = ({n_out}, {c_out}), one row per "
-                         f"output, got {tuple(init.shape)}")
-    if not np.issubdtype(np.dtype(init.dtype), np.floating):
-        raise TypeError(f"init must be a float array, got {init.dtype}")
-
-
 # ------------------------------------------------------------------ reference
 def fetch_on_demand_reference(features, weight, table, init=None, skip=-1):
     """NumPy: per offset, one matrix product of its pairs' rows, added into the
@@ -375,9 +344,10 @@ def fetch_on_demand_reference(features, weight, table, init=None, skip=-1):
     _check_table_layout(table, skip)
     table = np.asarray(to_host(table))
     features, weight = np.asarray(to_host(features)), np.asarray(to_host(weight))
-    _check_features_weight(features, weight, table.shape[0])
+    cv.check_features(features)
+    cv.check_weight(weight, table.shape[0], features.shape[1], features.dtype, ": one (C_in, C_out) matrix per offset of the map")
     n_out, c_out = table.shape[1], weight.shape[2]
-    _check_init(init, n_out, c_out)
+    cv.check_init(init, n_out, c_out)
     acc = np.zeros((n_out, c_out), np.float32) if init is None else np.array(to_host(init), np.float32)
     f32 = features.astype(np.float32)
     for k in range(table.shape[0]):
@@ -606,11 +576,12 @@ def fetch_on_demand_rung(rung: str, features, weight, plan: FetchPlan, n_out: in
         raise ValueError(f"rung must be one of {LADDER.names}, got {rung!r}")
     if not isinstance(plan, FetchPlan):
         raise TypeError(f"plan must be a FetchPlan (from fetch_plan), got {type(plan).__name__}")
-    _check_features_weight(features, weight, plan.K)
+    cv.check_features(features)
+    cv.check_weight(weight, plan.K, features.shape[1], features.dtype, ": one (C_in, C_out) matrix per offset of the map")
     if int(n_out) != plan.n_out:
         raise ValueError(f"n_out = {n_out} but the plan's table has {plan.n_out} outputs (columns)")
     c_in, c_out = features.shape[1], weight.shape[2]
-    _check_init(init, plan.n_out, c_out)
+    cv.check_init(init, plan.n_out, c_out)
     f, wt = to_device(features), to_device(weight)
     out = _accumulator(init, plan.n_out, c_out)
     if plan.n_pairs and c_in and c_out and plan.n_out:

@@ -139,10 +139,8 @@ from ..core.device import device_xp, simulating
 from ..core.backend import to_device, to_host
 from ..core.launch import launch
 from ..core.rungs import Ladder, Rung
+from ..core import conventions as cv
 from ..core.conventions import MASK_BITS, mask_words
-from ..core.tensor import FEATURE_DTYPES
-
-FLOAT_DTYPES = FEATURE_DTYPES  # the feature dtypes, defined once (numba_sc.core.tensor)
 TILE_M_CHOICES = (16, 32, 64, 128)  # outputs per tile (the plan's tile_m)
 
 # Tile sizes. A kernel is compiled per tile shape (shared and register arrays need
@@ -202,26 +200,14 @@ def implicit_tiles(tile_m: int, c_in: int, c_out: int) -> Tiles:
 
 
 # ------------------------------------------------------------------ checks
-def _is_array(a) -> bool:
-    return hasattr(a, "shape") and hasattr(a, "dtype")
-
-
 def check_inputs(features, weight, table, init=None):
     """Shapes and dtypes only (cheap: nothing is read from the device).
 
     Returns ``(K, n_out, C_in, C_out)``.
     """
-    for name, a in (("features", features), ("weight", weight), ("table", table)):
-        if not _is_array(a):
-            raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(a).__name__}")
-    if features.ndim != 2:
-        raise ValueError(f"features must have shape (n_in, C_in), got {tuple(features.shape)}")
-    if np.dtype(features.dtype) not in FLOAT_DTYPES:
-        raise TypeError(f"features must be float32 or float16, got {features.dtype}; convert with "
-                        "features.astype(np.float32)")
-    if weight.dtype != features.dtype:
-        raise TypeError(f"weight is {weight.dtype} but features are {features.dtype}: they must match, "
-                        f"e.g. weight.astype(np.{np.dtype(features.dtype).name})")
+    cv.check_features(features)
+    if not cv.is_array(table):
+        raise TypeError(f"table must be a NumPy or CuPy array, got {type(table).__name__}")
     if table.dtype != np.int32:
         raise TypeError(f"table must be int32 (K, n_out), got {table.dtype}; pass km.table or "
                         "table.astype(np.int32)")
@@ -229,22 +215,11 @@ def check_inputs(features, weight, table, init=None):
         raise ValueError(f"table must have shape (K, n_out) (KernelMap.table), got {tuple(table.shape)}")
     K, n_out = (int(v) for v in table.shape)
     c_in = int(features.shape[1])
-    if weight.ndim != 3 or weight.shape[0] != K or weight.shape[1] != c_in:
-        raise ValueError(
-            f"weight must have shape (K, C_in, C_out) = ({K}, {c_in}, C_out) for a table of {K} offsets "
-            f"and features of {c_in} channels, got {tuple(weight.shape)}")
+    cv.check_weight(weight, K, c_in, features.dtype, f" for a table of {K} offsets and features of {c_in} channels")
     c_out = int(weight.shape[2])
     if c_in == 0 or c_out == 0 or K == 0:
         raise ValueError(f"empty convolution: K={K}, C_in={c_in}, C_out={c_out}; all must be >= 1")
-    if init is not None:
-        if not _is_array(init):
-            raise TypeError(f"init must be a NumPy or CuPy array or None, got {type(init).__name__}")
-        if tuple(init.shape) != (n_out, c_out):
-            raise ValueError(f"init must have shape (n_out, C_out) = ({n_out}, {c_out}), got "
-                             f"{tuple(init.shape)}")
-        if init.dtype != features.dtype:
-            raise TypeError(f"init is {init.dtype} but features are {features.dtype}: convert init, e.g. "
-                            f"init.astype(np.{np.dtype(features.dtype).name})")
+    cv.check_init(init, n_out, c_out, features.dtype)
     return K, n_out, c_in, c_out
 
 
@@ -336,7 +311,7 @@ def _split_words(k0: int, k1: int) -> range:
 
 
 def _check_plan_args(table, splits, skip, tile_m):
-    if not _is_array(table) or table.dtype != np.int32 or table.ndim != 2:
+    if not cv.is_array(table) or table.dtype != np.int32 or table.ndim != 2:
         got = f"{getattr(table, 'dtype', type(table).__name__)} {tuple(getattr(table, 'shape', ()))}"
         raise TypeError(f"table must be an int32 array of shape (K, n_out) (KernelMap.table), got {got}")
     K = int(table.shape[0])

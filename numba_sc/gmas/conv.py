@@ -66,28 +66,21 @@ from .metadata import build_plan, centre_offset, submanifold_centre
 from ..dataflows.fetch_on_demand import fetch_on_demand_cuda, fetch_on_demand_reference, fetch_plan
 from ..dataflows.implicit_gemm import implicit_gemm_cuda, implicit_gemm_reference, implicit_plan
 from .scatter import scatter_cuda, scatter_reference
-from ..core.tensor import FEATURE_DTYPES, SparseTensor, same_coordinates
+from ..core.tensor import SparseTensor, same_coordinates
+from ..core import conventions as cv
 from ..core.conventions import Array, IntOr3
 
-__all__ = ["SparseTensor", "sparse_conv3d", "autotune", "gmas", "resolve_tiles", "FEATURE_DTYPES",
+__all__ = ["SparseTensor", "sparse_conv3d", "autotune", "gmas", "resolve_tiles",
            "choose_dataflow"]
 
 
 # ------------------------------------------------------------- argument checks
 def check_weight(weight, K, c_in, dtype, kernel_size, layer=None):
-    where = _where(layer)
-    if not hasattr(weight, "shape") or not hasattr(weight, "dtype"):
-        raise TypeError(f"{where}weight must be a NumPy or CuPy array, got {type(weight).__name__}")
+    """The layer's weight (:func:`numba_sc.core.conventions.check_weight`), the message
+    naming the kernel size and the layer."""
     ks = tuple(kernel_size)
-    if weight.ndim != 3 or weight.shape[0] != K or weight.shape[1] != c_in:
-        raise ValueError(
-            f"{where}weight must have shape (K, C_in, C_out) = ({K}, {c_in}, C_out) for kernel_size "
-            f"{ks} (K = {K} offsets, in kernel_offsets order) and {c_in} input channels, got "
-            f"{tuple(weight.shape)}")
-    if np.dtype(weight.dtype) != np.dtype(dtype):
-        raise TypeError(
-            f"{where}weight is {weight.dtype} but the features are {np.dtype(dtype)}; both must have "
-            f"the same dtype: use weight.astype(np.{np.dtype(dtype).name})")
+    cv.check_weight(weight, K, c_in, dtype, f" for kernel_size {ks} (K = {K} offsets, in kernel_offsets order) "
+                    f"and {c_in} input channels", _where(layer))
 
 
 def check_layer_name(layer):

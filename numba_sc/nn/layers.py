@@ -123,7 +123,8 @@ def _checked_value(key, new, old, module):
         value = np.asarray(to_host(new) if hasattr(new, "shape") else new)
     except Exception as e:  # a ragged list, an object that is no array
         raise TypeError(f"{key}: the checkpoint's value is not an array of numbers ({e})") from None
-    if not (np.issubdtype(value.dtype, np.number) or value.dtype == np.bool_):
+    if not (np.issubdtype(value.dtype, np.integer) or np.issubdtype(value.dtype, np.floating)
+            or value.dtype == np.bool_):
         raise TypeError(f"{key}: the checkpoint holds {value.dtype} values; a parameter must be numbers "
                         f"(this one is {np.dtype(old.dtype).name})")
     if tuple(value.shape) != tuple(old.shape):

@@ -57,24 +57,13 @@ from numba import cuda, float32, uint64
 
 from ..core.device import device_xp
 from ..core.backend import resolve_backend, to_device, to_host
+from ..core import conventions as cv
 from ..core.launch import launch
 from ..core.rungs import Ladder, Rung
 
-FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
-
-
-def _check_features(a, name):
-    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-        raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(a).__name__}")
-    if a.ndim != 2:
-        raise ValueError(f"{name} must have shape (N, C), got {tuple(a.shape)}")
-    if np.dtype(a.dtype) not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32 or float16, got {a.dtype}")
-
-
 def _check_pair(a, b, name_a, name_b, same_channels=True):
-    _check_features(a, name_a)
-    _check_features(b, name_b)
+    cv.check_features(a, name_a)
+    cv.check_features(b, name_b)
     if a.shape[0] != b.shape[0] or (same_channels and a.shape[1] != b.shape[1]):
         raise ValueError(
             f"{name_a} has shape {tuple(a.shape)} and {name_b} {tuple(b.shape)}: "
@@ -255,7 +244,7 @@ def batch_norm(x, weight, bias, mean, var, eps=1e-5, residual=None, relu=False, 
     ``mean`` and ``var`` (C,), then ``+ residual`` (N, C) and ReLU when asked.
 
     Returns an array of the kind and dtype of ``x`` (NumPy or CuPy)."""
-    _check_features(x, "x")
+    cv.check_features(x, "x")
     c = x.shape[1]
     _check_channel_params(c, weight=weight, bias=bias, running_mean=mean, running_var=var)
     if residual is not None:
@@ -304,7 +293,7 @@ def batch_statistics(x):
 
 def relu(x, backend=None):
     """``max(x, 0)`` of features ``x`` (N, C)."""
-    _check_features(x, "x")
+    cv.check_features(x, "x")
     if resolve_backend(backend) == "reference":
         return relu_reference(to_host(x))
     xd = to_device(x)
@@ -326,7 +315,7 @@ def add(a, b, relu=False, backend=None):
 
 def bias_add(x, bias, backend=None):
     """``x + bias``: features ``x`` (N, C) plus one value per channel, ``bias`` (C,)."""
-    _check_features(x, "x")
+    cv.check_features(x, "x")
     _check_channel_params(x.shape[1], bias=bias)
     if resolve_backend(backend) == "reference":
         return bias_add_reference(to_host(x), to_host(bias))

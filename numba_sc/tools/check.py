@@ -41,7 +41,11 @@ def _first_row_mismatch(a, b, what):
 
 
 def crop_points(points, n):
-    """The n points nearest (Chebyshev distance) to the point nearest the cloud's centre."""
+    """The n points nearest (Chebyshev distance) to the point nearest the cloud's centre:
+    their indices, sorted. ``points`` (N, 3) are x, y, z (or (N, 4) coordinates with the
+    batch index in column 0: the last three columns are the position)."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"crop must be a positive number of points, got {n!r}")
     if n >= len(points):
         return np.arange(len(points))
     xyz = points[:, -3:]

@@ -57,11 +57,11 @@ import numpy as np
 from numba import cuda, float32
 
 from ..core.device import device_xp
+from ..core import conventions as cv
+from .labels import IGNORE_INDEX  # (one place: SemanticKITTI's unscored label)
 from ..core.backend import like, resolve_backend, to_device, to_host
 from ..core.launch import launch
 
-IGNORE_INDEX = 255
-FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 
 # ------------------------------------------------------------------ checks
@@ -74,7 +74,7 @@ def _check_shapes(logits, target, weight):
     if logits.shape[0] == 0:
         raise ValueError("logits has no rows: a loss over no points is undefined (an empty batch or "
                          "an empty crop? skip it before the forward pass)")
-    if np.dtype(logits.dtype) not in FLOAT_DTYPES:
+    if np.dtype(logits.dtype) not in cv.FEATURE_DTYPES:
         raise TypeError(f"logits must be float32 or float16, got {logits.dtype}")
     if not hasattr(target, "shape") or tuple(target.shape) != (logits.shape[0],):
         shape = tuple(target.shape) if hasattr(target, "shape") else type(target).__name__

@@ -1,6 +1,7 @@
 """The training loop: a few steps on a labelled crop lower the loss, and the
 ``python -m numba_sc train`` command."""
 import numpy as np
+import pytest
 
 from numba_sc import models
 from numba_sc.train import optim
@@ -37,4 +38,6 @@ def test_train_command(tmp_path, capsys):
 
     rec = json.loads(out.read_text())
     assert [h["step"] for h in rec["history"]] == [0, 1, 2] and rec["points"] == 150
-    assert main(["train", "--steps", "0"]) == 2
+    with pytest.raises(SystemExit) as refused:  # the parser refuses it, naming --steps
+        main(["train", "--steps", "0"])
+    assert refused.value.code == 2 and "argument --steps" in capsys.readouterr().err
