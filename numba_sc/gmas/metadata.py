@@ -30,7 +30,7 @@ the lists the kernels read (:class:`PointLists`)
     The two tables are how the layout is *defined* (and what the reference and
     the notebooks show), but on a sparse cloud most of their entries are -1:
     27 x 1M entries for ~0.4M pairs on 1M random voxels in 400^3. So the device
-    keeps them compressed, PCEngine's way (its coded CSR; Minuet, Section 6,
+    keeps them compressed, PCEngine's way (its coded CSR; Minuet, Section 7,
     names it as combining with its own ideas): per point, a bit mask of the
     offsets it has a pair at, and its rows, one per set bit, in offset order.
     The gather and scatter threads then visit a point's real pairs only.
@@ -149,7 +149,7 @@ class PointLists:
 
     The compact form of an input or output table (PCEngine's idea of keeping the
     kernel map as compressed rows; Minuet names it as one that combines with its
-    own, Section 6). A thread of the gather or scatter visits only the pairs its
+    own, Section 7). A thread of the gather or scatter visits only the pairs its
     point really has, instead of all K entries of a dense table row, most of
     them -1 on a sparse cloud (2 in 3 points of 1M random voxels in 400^3 have no
     pair outside the centre).
