@@ -7,10 +7,13 @@
     optim           SGD and AdamW, in place; learning-rate schedules
     labels          SemanticKITTI's label ids, classes, per-voxel labels and scores
     checkpoint      save / load: a model's and an optimizer's state in one .npz file
-    loop            one training step, and fitting a network to a labelled scan
+    loop            one training step, fitting a network to a labelled scan, the checkerboard
+                    split, evaluation (per-class IoU)
+    data            scans from disk (SemanticKITTI's layout or .bin/.label pairs), batches, a loader
+    augment         rotation, flips, scaling, jitter, crop: random, reproducible from a seed
 
 The loop's functions are importable from here: ``numba_sc.train.scan_tensor``, ...
 """
-from .loop import fit_scan, predict, scan_tensor, scores, train_step
+from .loop import checkerboard, evaluate, fit_scan, iou_table, predict, scan_tensor, scores, train_step
 
-__all__ = ["fit_scan", "predict", "scan_tensor", "scores", "train_step"]
+__all__ = ["checkerboard", "evaluate", "fit_scan", "iou_table", "predict", "scan_tensor", "scores", "train_step"]

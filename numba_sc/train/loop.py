@@ -82,6 +82,59 @@ def scores(model, x, inverse, point_target, backend=None):
     return lb.accuracy(cm), lb.miou(cm)
 
 
+def checkerboard(points, size=10.0):
+    """The squares of a checkerboard of ``size`` metres on the ground plane: True for the
+    points whose square has ``floor(x / size) + floor(y / size)`` even, False for the
+    others. Training on one colour and scoring on the other measures whether a network
+    generalizes to ground it has not seen; unlike a split at x = 0, both colours hold
+    the same mix of classes (road, building, vegetation, cars ...)."""
+    points = np.asarray(points)
+    if points.ndim != 2 or points.shape[1] < 2:
+        raise ValueError(f"points must be (N, 2 or more) with x, y first, got {points.shape}")
+    if not (isinstance(size, (int, float, np.floating, np.integer)) and np.isfinite(size) and size > 0):
+        raise ValueError(f"size must be a positive number of metres, got {size!r}")
+    cells = np.floor(points[:, :2].astype(np.float64) / size).astype(np.int64)
+    return (cells.sum(axis=1) % 2) == 0
+
+
+def evaluate(pred, point_target, classes=None, num_classes=lb.NUM_CLASSES):
+    """Scores of point predictions ``pred`` against ``point_target`` (ignore index 255
+    left out): ``{"accuracy", "miou", "iou": {class name: IoU}, "confusion"}``.
+
+    ``classes`` (ids): the classes the mIoU averages over, e.g. those present in both
+    the training and the evaluated points; default: every class present in the
+    targets or the predictions (:func:`numba_sc.train.labels.miou`)."""
+    cm = lb.confusion_matrix(pred, point_target, num_classes)
+    per_class = lb.iou(cm)
+    if classes is None:
+        m = lb.miou(cm)
+    else:
+        classes = sorted(int(c) for c in classes)
+        if not classes:
+            raise ValueError("classes is empty: name at least one class to average the IoU over")
+        m = float(np.nanmean(np.where(np.isnan(per_class[classes]), 0.0, per_class[classes])))
+    names = lb.CLASS_NAMES if num_classes == lb.NUM_CLASSES else [str(c) for c in range(num_classes)]
+    return {"accuracy": lb.accuracy(cm), "miou": m,
+            "iou": {names[c]: (None if np.isnan(v) else float(v)) for c, v in enumerate(per_class)},
+            "confusion": cm}
+
+
+def iou_table(results: dict, classes=None) -> str:
+    """A plain-text table of per-class IoU, one column per entry of ``results``
+    (name -> :func:`evaluate`'s result), then the accuracy and the mIoU."""
+    names = list(results)
+    first = results[names[0]]["iou"]
+    rows = [c for i, c in enumerate(first) if classes is None or i in set(classes)]
+    w = max(len(r) for r in rows + ["point accuracy"])
+    lines = [f"{'class':{w}s}  " + "  ".join(f"{n:>12s}" for n in names)]
+    for r in rows:
+        cells = [results[n]["iou"][r] for n in names]
+        lines.append(f"{r:{w}s}  " + "  ".join(f"{'-' if v is None else f'{v:.3f}':>12s}" for v in cells))
+    lines.append(f"{'point accuracy':{w}s}  " + "  ".join(f"{results[n]['accuracy']:12.3f}" for n in names))
+    lines.append(f"{'mIoU':{w}s}  " + "  ".join(f"{results[n]['miou']:12.3f}" for n in names))
+    return "\n".join(lines)
+
+
 def fit_scan(model, optimizer, x, target, inverse, point_target, steps, backend=None, schedule=None,
              log_every=10, print_=print):
     """Train ``model`` on one scan for ``steps`` steps; returns the history: one dict

@@ -41,3 +41,32 @@ def test_train_command(tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:  # the parser refuses it, naming --steps
         main(["train", "--steps", "0"])
     assert refused.value.code == 2 and "argument --steps" in capsys.readouterr().err
+
+
+def test_evaluate_against_a_confusion_matrix_made_by_hand():
+    """Targets 0 0 1 1 2 (and one ignored point), predictions 0 1 1 1 0: by hand, class 0
+    has TP 1, FN 1, FP 1 (IoU 1/3); class 1 TP 2, FP 1 (2/3); class 2 TP 0 (0); class 3
+    is predicted only on the ignored point, so it does not count."""
+    target = np.array([0, 0, 1, 1, 2, 255])
+    pred = np.array([0, 1, 1, 1, 0, 3])
+    r = train.evaluate(pred, target)
+    want = np.zeros((19, 19), np.int64)
+    for t_, p_ in [(0, 0), (0, 1), (1, 1), (1, 1), (2, 0)]:
+        want[t_, p_] += 1
+    np.testing.assert_array_equal(r["confusion"], want)
+    assert r["accuracy"] == pytest.approx(3 / 5)
+    names = list(r["iou"])
+    assert [r["iou"][names[c]] for c in range(3)] == pytest.approx([1 / 3, 2 / 3, 0.0])
+    assert r["iou"][names[3]] is None
+    assert r["miou"] == pytest.approx((1 / 3 + 2 / 3 + 0) / 3)
+    assert train.evaluate(pred, target, classes=[0, 1])["miou"] == pytest.approx(0.5)
+    table = train.iou_table({"run": r}, classes=[0, 1, 2])
+    assert "0.333" in table and "0.667" in table and "mIoU" in table
+
+
+def test_checkerboard_squares():
+    pts = np.array([[1, 1], [11, 1], [-1, 1], [11, 11], [-0.5, -0.5], [25, 3]], np.float32)
+    np.testing.assert_array_equal(train.checkerboard(pts), [True, False, False, True, True, True])
+    np.testing.assert_array_equal(train.checkerboard(pts, size=20), [True, True, False, True, True, False])
+    with pytest.raises(ValueError, match="size must be a positive number"):
+        train.checkerboard(pts, size=0)
