@@ -14,7 +14,10 @@ accuracy, per-class IoU, and the mIoU over the classes present in both halves):
 * ``augmented``: features that do not encode the position on the ground (remission and
   height z only), every step on a freshly augmented copy of the training points
   (rotation about the vertical axis, flips, scaling, jitter: ``numba_sc.train.augment``),
-  weight decay, a cosine schedule.
+  weight decay, a cosine schedule;
+* ``weighted``: ``augmented``, with the loss of each class weighted by
+  ``1 / sqrt(its share of the training voxels)`` (normalized to a mean of 1), so that
+  thin, rare classes (poles, signs, people) are not drowned by road and vegetation.
 
 Run on a GPU (``. benchmarks/gpu_env.sh`` first), e.g.
 ``python3 benchmarks/generalize.py --out benchmarks/results/generalize.json``.
@@ -59,13 +62,14 @@ def _score(model, x, inverse, point_target, classes):
 def run(recipe, points, raw, mask, steps, lr, width, seed, log):
     import numba_sc as ns
     from numba_sc import train
+    from numba_sc.core.backend import to_device
     from numba_sc.train import augment, labels as lb, optim
 
     on_gpu = ns.gpu_present()
     tr_pts, ev_pts = points[mask], points[~mask]
     tr_t, ev_t = lb.learning_map(raw[mask]), lb.learning_map(raw[~mask])
     classes = sorted((set(np.unique(tr_t)) & set(np.unique(ev_t))) - {lb.IGNORE_INDEX})
-    model = ns.models.MinkUNet42(2 if recipe == "augmented" else 4, lb.NUM_CLASSES, width=width, seed=seed)
+    model = ns.models.MinkUNet42(4 if recipe == "baseline" else 2, lb.NUM_CLASSES, width=width, seed=seed)
     if on_gpu:
         model.cuda()
     if recipe == "baseline":
@@ -75,17 +79,24 @@ def run(recipe, points, raw, mask, steps, lr, width, seed, log):
     else:
         xe, _, inv_e = _tensor(ev_pts, ev_t, _features(ev_pts), on_gpu)
         opt = optim.AdamW(model.trainable_parameters(), lr=lr, weight_decay=1e-2)
+    weight = None
+    if recipe == "weighted":
+        _, t0_target, _ = _tensor(tr_pts, tr_t, _features(tr_pts), False)
+        counts = np.bincount(t0_target[t0_target != lb.IGNORE_INDEX], minlength=lb.NUM_CLASSES).astype(np.float64)
+        w = np.where(counts > 0, 1.0 / np.sqrt(np.maximum(counts, 1) / counts.sum()), 0.0)
+        w = np.where(counts > 0, w / w[counts > 0].mean(), 1.0).astype(np.float32)
+        weight = to_device(w) if on_gpu else w
     rng = np.random.default_rng(seed)
     history, t0 = [], time.perf_counter()
     for step in range(steps):
-        if recipe == "augmented":
+        if recipe != "baseline":
             opt.lr = optim.cosine_lr(step, steps, lr, warmup=min(10, steps))
             p = augment.rotate_z(tr_pts, rng)
             p = augment.flip(p, rng)
             p = augment.scale(p, rng, 0.9, 1.1)
             p = augment.jitter(p, rng, 0.01, 0.05)
             x, target, _ = _tensor(p, tr_t, _features(p), on_gpu)
-        loss = train.train_step(model, x, target, opt)
+        loss = train.train_step(model, x, target, opt, weight=weight)
         if step % 50 == 0 or step == steps - 1:
             r = _score(model, xe, inv_e, ev_t, classes)
             history.append({"step": step, "loss": float(loss), "eval_accuracy": r["accuracy"], "eval_miou": r["miou"],
@@ -105,8 +116,8 @@ def run(recipe, points, raw, mask, steps, lr, width, seed, log):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", help="folder with semantickitti_000000.bin/.label")
-    ap.add_argument("--recipes", default="baseline,augmented")
-    ap.add_argument("--steps", type=int, default=300, help="steps of the augmented recipe (default 300)")
+    ap.add_argument("--recipes", default="baseline,augmented,weighted")
+    ap.add_argument("--steps", type=int, default=450, help="steps of the augmented recipes (default 450)")
     ap.add_argument("--baseline-steps", type=int, default=100, help="steps of the baseline (default 100)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--width", type=float, default=1.0)
