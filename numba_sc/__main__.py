@@ -37,6 +37,7 @@ EXAMPLES = """examples:
   numba-sc ladder --list                         every stage's rungs, and what each adds
   numba-sc ladder gather scatter --dtypes float16
   numba-sc train --steps 300 --out curve.json    fit MinkUNet42 to the labelled scan
+  numba-sc train --data KITTI --split train --epochs 10 --eval valid --save run.npz --log run.json
 """
 
 
@@ -133,6 +134,18 @@ def main(argv=None):
     tr.add_argument("--log-every", type=_at_least(1), default=10, help="print every this many steps (default 10)")
     tr.add_argument("--seed", type=_at_least(0), default=0)
     tr.add_argument("--out", help="write the loss and score curve as JSON (with device, date and command)")
+    ds = tr.add_argument_group("training on a dataset (with --epochs; --data is then the dataset's root)")
+    ds.add_argument("--epochs", type=_at_least(1), help="train over the scans of --data for this many epochs")
+    ds.add_argument("--sequences", nargs="+", help="SemanticKITTI sequences to train on, e.g. 00 01 (default: all)")
+    ds.add_argument("--split", choices=("train", "valid"), help="SemanticKITTI's standard split to train on")
+    ds.add_argument("--batch-size", type=_at_least(1), default=2, help="scans per batch (default 2)")
+    ds.add_argument("--workers", type=_at_least(0), default=2, help="threads preparing batches (default 2)")
+    ds.add_argument("--no-augment", action="store_true", help="no rotation, flips, scaling or jitter")
+    ds.add_argument("--save", help="checkpoint written after every epoch (.npz)")
+    ds.add_argument("--resume", help="checkpoint to continue from (the same settings)")
+    ds.add_argument("--eval", dest="eval_data",
+                    help="held-out scans scored after every epoch: a folder, or 'valid' (sequence 08 of --data)")
+    ds.add_argument("--log", help="the run's history as JSON, and a plot of it beside (.png)")
     args = parser.parse_args(argv)
 
     if argv is None:
@@ -156,7 +169,7 @@ def main(argv=None):
     if args.command == "ladder":
         return _ladder(args)
     if args.command == "train":
-        return _train(args)
+        return _train_dataset(args) if args.epochs else _train(args)
     return 2
 
 
@@ -169,6 +182,63 @@ def _data_folder(filename, explicit=None):
         if d and (Path(d) / filename).exists():
             return Path(d)
     return None
+
+
+def _train_dataset(args):
+    """``train --epochs E``: a run over a dataset (numba_sc.train.run)."""
+    from .core.device import gpu_present, simulating
+    from .nn import models
+    from .train import data, labels, optim
+    from .train import run as tr
+
+    if not args.data:
+        print("train --epochs needs --data ROOT: a SemanticKITTI dataset folder or a folder of "
+              ".bin/.label pairs", file=sys.stderr)
+        return 2
+    try:
+        scans = data.ScanFolder(args.data, sequences=args.sequences, split=args.split)
+        held = None
+        if args.eval_data == "valid":
+            held = data.ScanFolder(args.data, split="valid")
+        elif args.eval_data:
+            held = data.ScanFolder(args.eval_data)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"train: {e}", file=sys.stderr)
+        return 2
+    on_gpu = gpu_present() and not simulating()
+    backend = "cuda" if on_gpu else "reference"  # (without a GPU: the NumPy references, as train does)
+    augmentation = not args.no_augment
+
+    def prepare(points, raw, rng):
+        return tr.prepare_scan(points, raw, rng, 0.05, augmentation, on_gpu)
+
+    loader = data.Loader(scans, args.batch_size, prepare, seed=args.seed, workers=args.workers)
+    model = models.MinkUNet42(len(tr.FEATURES), labels.NUM_CLASSES, width=args.width, seed=args.seed)
+    if on_gpu:
+        model.cuda()
+    opt = optim.AdamW(model.trainable_parameters(), lr=args.lr, weight_decay=1e-2)
+    total = args.epochs * len(loader)
+    settings = {"data": str(args.data), "sequences": args.sequences, "split": args.split, "epochs": args.epochs,
+                "batch_size": args.batch_size, "lr": args.lr, "width": args.width, "seed": args.seed,
+                "augmentation": augmentation}
+    start, history = 0, []
+    if args.resume:
+        start, history, saved = tr.resume(args.resume, model, opt)
+        differ = {k: (saved.get(k), v) for k, v in settings.items() if k != "epochs" and saved.get(k) != v}
+        if differ:
+            print(f"train --resume: {args.resume} was written with other settings {differ} (saved, given); "
+                  "resume with the same ones", file=sys.stderr)
+            return 2
+        print(f"resumed from {args.resume}: {start} epoch(s) done")
+    print(f"MinkUNet42 (width {args.width}) on {len(scans)} scans ({scans.layout}), batches of {args.batch_size}, "
+          f"epochs {start}..{args.epochs - 1}, backend {backend}")
+    history = tr.fit_dataset(model, opt, loader, args.epochs,
+                             schedule=lambda s: optim.cosine_lr(s, total, args.lr, warmup=min(10, total)),
+                             start_epoch=start, history=history, save_to=args.save, eval_scans=held,
+                             settings=settings, backend=backend, log_every=args.log_every)
+    if args.log:
+        tr.write_log(history, args.log)
+    return 0
 
 
 def _train(args):
