@@ -10,7 +10,7 @@ from numba_sc.train import data, optim
 from numba_sc.train import run as tr
 from numba_sc.train.labels import IGNORE_INDEX, learning_map
 
-from conftest import DATA_DIR, crop, load_scan
+from conftest import DATA_DIR, load_scan
 
 
 @pytest.fixture(scope="module")
