@@ -118,7 +118,8 @@ def _small_problem(rng):
     n = len(vox.coords)
     x = ns.SparseTensor(vox.coords, rng.normal(size=(n, 4)).astype(np.float32))
     target = rng.integers(0, 3, n)
-    model = nn.Sequential(nn.SubMConv3d(4, 8, 3), nn.BatchNorm(8), nn.ReLU(), nn.Linear(8, 3)).train()
+    model = nn.Sequential(nn.SubMConv3d(4, 8, 3, rng=rng), nn.BatchNorm(8), nn.ReLU(),
+                          nn.Linear(8, 3, rng=rng)).train()  # seeded: the same weights every run
     return x, target, model
 
 
@@ -162,7 +163,7 @@ def test_an_optimizer_built_before_cuda_follows_the_device_arrays(rng):
     import cupy
 
     x, target, model = _small_problem(rng)
-    opt = optim.SGD(model.trainable_parameters(), lr=0.05, momentum=0.9)
+    opt = optim.AdamW(model.trainable_parameters(), lr=2e-2, weight_decay=0.0)
     model.cuda()
     x = x.cuda()
     losses = []
