@@ -13,8 +13,8 @@ accuracy, per-class IoU, and the mIoU over the classes present in both halves):
   learn "where" instead of "what");
 * ``augmented``: features that do not encode the position on the ground (remission and
   height z only), every step on a freshly augmented copy of the training points
-  (rotation about the vertical axis, flips, scaling, jitter: ``numba_sc.train.augment``),
-  weight decay, a cosine schedule;
+  (rotation about the vertical axis, flips, scaling, jitter): ``numba_sc.train.run.prepare_scan``,
+  what ``numba-sc train --epochs`` runs; weight decay, a cosine schedule;
 * ``weighted``: ``augmented``, with the loss of each class weighted by
   ``1 / sqrt(its share of the training voxels)`` (normalized to a mean of 1), so that
   thin, rare classes (poles, signs, people) are not drowned by road and vegetation.
@@ -33,25 +33,6 @@ import numpy as np
 from common import find_data, recorded
 
 
-def _features(points):
-    """Per-point features that say what a point is, not where it is on the ground:
-    remission, and height (z) in metres."""
-    return np.stack([points[:, 3], points[:, 2]], axis=1).astype(np.float32)
-
-
-def _tensor(points, point_target, feats, on_gpu):
-    import numba_sc as ns
-    from numba_sc.core.backend import to_device
-    from numba_sc.train import labels as lb
-
-    v = ns.voxelize(np.ascontiguousarray(points[:, :3]), 0.05, features=feats, backend="reference")
-    target = lb.voxel_labels(point_target, v.inverse, lb.NUM_CLASSES, num_voxels=len(v))
-    coords, f = v.coords, v.features
-    if on_gpu:
-        coords, f, target = to_device(coords), to_device(f), to_device(target)
-    return ns.SparseTensor(coords, f), target, v.inverse
-
-
 def _score(model, x, inverse, point_target, classes):
     from numba_sc import train
 
@@ -63,25 +44,26 @@ def run(recipe, points, raw, mask, steps, lr, width, seed, log):
     import numba_sc as ns
     from numba_sc import train
     from numba_sc.core.backend import to_device
-    from numba_sc.train import augment, labels as lb, optim
+    from numba_sc.train import labels as lb, optim, run
 
     on_gpu = ns.gpu_present()
     tr_pts, ev_pts = points[mask], points[~mask]
     tr_t, ev_t = lb.learning_map(raw[mask]), lb.learning_map(raw[~mask])
     classes = sorted((set(np.unique(tr_t)) & set(np.unique(ev_t))) - {lb.IGNORE_INDEX})
-    model = ns.models.MinkUNet42(4 if recipe == "baseline" else 2, lb.NUM_CLASSES, width=width, seed=seed)
+    model = ns.models.MinkUNet42(4 if recipe == "baseline" else len(run.FEATURES), lb.NUM_CLASSES, width=width,
+                                 seed=seed)
     if on_gpu:
         model.cuda()
     if recipe == "baseline":
         x, target, _, _ = train.scan_tensor(tr_pts, raw[mask], 0.05)
         xe, _, inv_e, _ = train.scan_tensor(ev_pts, raw[~mask], 0.05)
         opt = optim.AdamW(model.trainable_parameters(), lr=lr, weight_decay=0.0)
-    else:
-        xe, _, inv_e = _tensor(ev_pts, ev_t, _features(ev_pts), on_gpu)
+    else:  # the recipe of numba_sc.train.run: remission and height, augmented every step
+        xe, _, inv_e, _ = run.prepare_scan(ev_pts, raw[~mask], None, augmentation=False, device=on_gpu)
         opt = optim.AdamW(model.trainable_parameters(), lr=lr, weight_decay=1e-2)
     weight = None
     if recipe == "weighted":
-        _, t0_target, _ = _tensor(tr_pts, tr_t, _features(tr_pts), False)
+        _, t0_target, _, _ = run.prepare_scan(tr_pts, raw[mask], None, augmentation=False)
         counts = np.bincount(t0_target[t0_target != lb.IGNORE_INDEX], minlength=lb.NUM_CLASSES).astype(np.float64)
         w = np.where(counts > 0, 1.0 / np.sqrt(np.maximum(counts, 1) / counts.sum()), 0.0)
         w = np.where(counts > 0, w / w[counts > 0].mean(), 1.0).astype(np.float32)
@@ -91,11 +73,7 @@ def run(recipe, points, raw, mask, steps, lr, width, seed, log):
     for step in range(steps):
         if recipe != "baseline":
             opt.lr = optim.cosine_lr(step, steps, lr, warmup=min(10, steps))
-            p = augment.rotate_z(tr_pts, rng)
-            p = augment.flip(p, rng)
-            p = augment.scale(p, rng, 0.9, 1.1)
-            p = augment.jitter(p, rng, 0.01, 0.05)
-            x, target, _ = _tensor(p, tr_t, _features(p), on_gpu)
+            x, target, _, _ = run.prepare_scan(tr_pts, raw[mask], rng, device=on_gpu)
         loss = train.train_step(model, x, target, opt, weight=weight)
         if step % 50 == 0 or step == steps - 1:
             r = _score(model, xe, inv_e, ev_t, classes)

@@ -326,8 +326,7 @@ def _ladder(args):
     print(f"{source or 'synthetic LiDAR scene'}: {len(coords)} voxels at {args.voxel_size} m"
           + ("" if on_gpu else f" (a crop of {len(points)} points: kernels under the simulator, no times)"))
     channels = args.channels or (64 if on_gpu else 8)
-    dtypes = args.dtypes if isinstance(args.dtypes, list) else _dtypes(args.dtypes)
-    rows = run_ladder(stages, coords, channels, dtypes, args.rounds, args.out, args.note,
+    rows = run_ladder(stages, coords, channels, args.dtypes, args.rounds, args.out, args.note,
                       points=points, voxel_size=args.voxel_size)
     bad = [r for r in rows if not r["agrees"]]
     if bad:

@@ -162,6 +162,13 @@ def check_init(init, n_out: int, c_out: int, dtype=None):
         raise TypeError(f"init must be a float array, got {init.dtype}")
 
 
+def positive_int(value, name: str) -> int:
+    """A size argument (channels, features): a positive int, not a float, a bool or an array."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
 def as_int_tuple(value, name: str, *, minimum: int = 1) -> tuple[int, int, int]:
     """``3`` -> ``(3, 3, 3)``; ``(1, 3, 1)`` stays; anything else raises."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):

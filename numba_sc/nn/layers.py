@@ -100,13 +100,6 @@ def _require_device():
         raise RuntimeError("model.cuda(): no CUDA GPU is visible; keep the model on the CPU")
 
 
-def _positive_int(v, name):
-    """A layer's size argument: a positive int (not a float, a bool or an array)."""
-    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return int(v)
-
-
 def _number(v, name, what, ok):
     """A float hyperparameter, checked by ``ok``; ``what`` says what is expected."""
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not np.isfinite(v) \
@@ -361,8 +354,8 @@ class ConvLayer(Module):
 
     def __init__(self, in_channels, out_channels, kernel_size, stride, dilation, bias, rng):
         super().__init__()
-        self.in_channels = _positive_int(in_channels, "in_channels")
-        self.out_channels = _positive_int(out_channels, "out_channels")
+        self.in_channels = cv.positive_int(in_channels, "in_channels")
+        self.out_channels = cv.positive_int(out_channels, "out_channels")
         self.kernel_size = cv.as_int_tuple(kernel_size, "kernel_size")
         self.stride = cv.as_int_tuple(stride, "stride")
         self.dilation = cv.as_int_tuple(dilation, "dilation")
@@ -597,7 +590,7 @@ class BatchNorm(Module):
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1):
         super().__init__()
-        self.num_features = c = _positive_int(num_features, "num_features")
+        self.num_features = c = cv.positive_int(num_features, "num_features")
         self.eps = _number(eps, "eps", "a small positive number such as 1e-5", lambda v: v > 0)
         self.momentum = _number(momentum, "momentum", "a number in [0, 1] such as 0.1", lambda v: 0 <= v <= 1)
         self.weight = np.ones(c, np.float32)
@@ -672,8 +665,8 @@ class Linear(Module):
 
     def __init__(self, in_features, out_features, bias=True, rng=None):
         super().__init__()
-        self.in_features = _positive_int(in_features, "in_features")
-        self.out_features = _positive_int(out_features, "out_features")
+        self.in_features = cv.positive_int(in_features, "in_features")
+        self.out_features = cv.positive_int(out_features, "out_features")
         self.weight = _init_weight(rng, (self.in_features, self.out_features), self.in_features)
         self._params = {"weight": "model"}
         if bias:

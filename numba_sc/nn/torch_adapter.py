@@ -128,14 +128,8 @@ def _kept_map(x, kernel_size, stride, dilation, transposed):
 
 def _order_tensor(x, device):
     """``x.order`` (the caller's row of each sorted row) as a torch tensor on ``device``,
-    or None when the caller's coordinates were sorted already."""
-    order = x.order
-    if order is None:
-        return None
-    t = to_tensor(order).to(device=device, dtype=torch.int64)
-    if bool((t == torch.arange(len(t), device=device)).all()):
-        return None
-    return t
+    or None when ``x`` was made already sorted (a layer's output)."""
+    return None if x.order is None else to_tensor(x.order).to(device=device, dtype=torch.int64)
 
 
 def sparse_conv(x, features, weight, kernel_size=3, stride=1, dilation=1, transposed=False, kernel_map=None,
@@ -190,9 +184,8 @@ class SparseConv(torch.nn.Module):
     def __init__(self, in_channels, out_channels, kernel_size=3, stride=1, dilation=1, transposed=False,
                  bias=True):
         super().__init__()
-        for name, v in (("in_channels", in_channels), ("out_channels", out_channels)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        in_channels = cv.positive_int(in_channels, "in_channels")
+        out_channels = cv.positive_int(out_channels, "out_channels")
         k = int(np.prod(cv.as_int_tuple(kernel_size, "kernel_size")))
         w = torch.randn(k, in_channels, out_channels) * float(np.sqrt(2.0 / (k * in_channels)))
         self.weight = torch.nn.Parameter(w)

@@ -55,13 +55,13 @@ def run_stages(points, features, voxel_size, crop=1500, stages=None, log=_say):
             f"points; the NumPy reference runs on all {len(points)} points.")
     widths = [max(len(HEAD[0]), *(len(st.name) for st in stages)), max(len(HEAD[1]), len(where)),
               max(len(HEAD[2]), len(f"{len(points)} pts")), 18, 10, len(HEAD[5])]
-    for line in format_table([], widths).split("\n"):
-        log(line)
+    log(_line(HEAD, widths))
+    log(_line(["-" * w for w in widths], widths))
     rows = []
 
     def add(row):
         rows.append(row)
-        log(format_table([row], widths).split("\n")[-1])
+        log(_line(_cells(row), widths))
 
     for st in stages:
         ref, t_ref = _timed(st.run, full, "reference")
@@ -76,14 +76,14 @@ def run_stages(points, features, voxel_size, crop=1500, stages=None, log=_say):
     return rows
 
 
-def format_table(rows, widths=None):
-    """The rows under a header, in columns (``widths``: fixed column widths, else fitted)."""
-    cells = [HEAD] + [(a, b, c, d, f"{t * 1e3:.1f} ms", e) for a, b, c, d, t, e in rows]
-    if widths is None:
-        widths = [max(len(str(r[i])) for r in cells) for i in range(len(HEAD))]
-    lines = ["  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+def _cells(row):
+    """A result row as the table's text cells (the time in ms)."""
+    a, b, c, d, t, e = row
+    return (a, b, c, d, f"{t * 1e3:.1f} ms", e)
+
+
+def _line(cells, widths):
+    return "  ".join(str(v).ljust(w) for v, w in zip(cells, widths)).rstrip()
 
 
 def load_points(path, columns):
