@@ -146,6 +146,10 @@ def main(argv=None):
     ds.add_argument("--eval", dest="eval_data",
                     help="held-out scans scored after every epoch: a folder, or 'valid' (sequence 08 of --data)")
     ds.add_argument("--log", help="the run's history as JSON, and a plot of it beside (.png)")
+    fg = command("figures", "check every performance figure quoted in the prose against benchmarks/results/",
+                 "numba-sc figures --update")
+    fg.add_argument("--update", action="store_true",
+                    help="rewrite stale figure links from their result files (after a benchmark ran again)")
     args = parser.parse_args(argv)
 
     if argv is None:
@@ -168,9 +172,25 @@ def main(argv=None):
         return 0 if all(ok for _, ok, _ in results) else 1
     if args.command == "ladder":
         return _ladder(args)
+    if args.command == "figures":
+        return _figures(args)
     if args.command == "train":
         return _train_dataset(args) if args.epochs else _train(args)
     return 2
+
+
+def _figures(args):
+    """Check (or, with --update, rewrite) the figures the prose quotes (numba_sc.tools.results)."""
+    from .tools.results import check_prose, update_prose
+
+    if args.update:
+        for change in update_prose():
+            print(f"updated {change}")
+    findings = check_prose()
+    for f in findings:
+        print(f)
+    print(f"{len(findings)} problems with the quoted figures" if findings else "every quoted figure is the recorded one")
+    return 1 if findings else 0
 
 
 def _data_folder(filename, explicit=None):

@@ -1,0 +1,106 @@
+"""What a lesson shows of a ladder: a rung's code, what the next rung changed, what it bought.
+
+The notebooks climb each stage's ladder (:mod:`numba_sc.core.rungs`) in reading
+order: the idea on a toy, ``v1`` printed and run, then each rung as a *diff* against
+the one below, with the GPU time it bought as recorded by ``numba-sc ladder --out``
+(``benchmarks/results/ladder_all_kitti.json``, read through
+:mod:`numba_sc.tools.results`). These three helpers are all a notebook needs for that::
+
+    from numba_sc.tools import lesson
+    lesson.show("gather", "v1")          # the plain kernel, highlighted
+    lesson.diff("gather", "v1", "v2")    # what v2 changed, as a unified diff
+    lesson.bought("gather")              # each rung's recorded GPU time and speed-up
+
+A rung's code is the object the ladder convention names ``<stage>_<rung>`` in the
+stage's module (``gather_v1``; ``batch_norm_v1`` in :mod:`numba_sc.nn.pointwise`,
+whose ladder climbs that operation). Kernels are shown as written in Python: the
+function that ``@cuda.jit`` compiled.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+import textwrap
+
+from . import results
+
+__all__ = ["bought", "code", "diff", "show"]
+
+# The stages whose ladder climbs one operation of their module (core/rungs.py's rule).
+OPERATION = {"pointwise": "batch_norm"}
+
+
+def _module(stage: str):
+    from .ladder import STAGES
+
+    for path in STAGES:
+        if path.rpartition(".")[2] == stage:
+            return importlib.import_module(path)
+    raise ValueError(f"stage must be one of {[p.rpartition('.')[2] for p in STAGES]}, got {stage!r}")
+
+
+def _python(obj):
+    """The Python function behind a kernel (a numba dispatcher, or the simulator's stand-in)."""
+    for attr in ("py_func", "fn", "__wrapped__"):
+        inner = getattr(obj, attr, None)
+        if callable(inner):
+            return _python(inner)
+    return obj
+
+
+def code(stage: str, rung: str) -> str:
+    """The source of ``stage``'s rung ``rung`` (``code("gather", "v1")``)."""
+    module = _module(stage)
+    name = f"{OPERATION.get(stage, stage)}_{rung}"
+    if not hasattr(module, name):
+        have = sorted(n for n in vars(module) if re.fullmatch(r"[a-z_]+_v\d+", n))
+        raise ValueError(f"{module.__name__} has no {name}; its rung objects are {have}")
+    return textwrap.dedent(inspect.getsource(_python(getattr(module, name))))
+
+
+def _display(text: str, language: str):
+    try:
+        from IPython import get_ipython
+        from IPython.display import Code, display
+    except ImportError:
+        print(text)
+        return
+    if get_ipython() is None:
+        print(text)
+    else:
+        display(Code(text, language=language))
+
+
+def show(stage: str, rung: str) -> None:
+    """Print ``stage``'s rung ``rung`` (highlighted in a notebook)."""
+    _display(code(stage, rung), "python")
+
+
+def diff(stage: str, lower: str, upper: str, context: int = 2) -> str:
+    """What rung ``upper`` changed against rung ``lower``, as a unified diff (printed,
+    and returned). Only the lines that differ are shown, with ``context`` lines around."""
+    a, b = code(stage, lower).splitlines(), code(stage, upper).splitlines()
+    name = OPERATION.get(stage, stage)
+    lines = difflib.unified_diff(a, b, f"{name}_{lower}", f"{name}_{upper}", n=context, lineterm="")
+    text = "\n".join(lines)
+    _display(text, "diff")
+    return text
+
+
+def bought(stage: str, record: str = "ladder_all_kitti", print_=print) -> list:
+    """Each rung of ``stage`` as recorded on a GPU by ``numba-sc ladder --out``: what it
+    adds, its time per dtype, and its speed-up over the rung below and over v1. Prints a
+    table with the record's provenance; returns the rows."""
+    from .ladder import RECORDED_NAMES
+
+    rec = results.load(record)
+    rows = [r for r in rec["rows"] if RECORDED_NAMES.get(r["stage"], r["stage"]) == stage]
+    if not rows:
+        raise ValueError(f"{record}.json records no rung of {stage!r}")
+    print_(f"{stage}: {rec['points']:,} voxels, {rec['channels']} channels ({results.provenance(rec)})")
+    print_(f"{'rung':5} {'dtype':8} {'GPU us':>9} {'vs below':>9} {'vs v1':>7}  adds")
+    for r in rows:
+        print_(f"{r['rung']:5} {r['dtype']:8} {r['gpu_us']:9.1f} {r['step']:8.2f}x {r['vs_v1']:6.2f}x  {r['adds']}")
+    return rows
