@@ -22,6 +22,10 @@ paragraph that must type one (a napkin estimate, a probe's or a profiler's readi
 that no result file holds) says why with ``<!-- typed: REASON -->``. ``numba-sc figures`` runs the
 check; ``numba-sc figures --update`` rewrites stale figure links from the files
 (after a benchmark was run again), keeping each text's rounding.
+
+A whole table is made, not typed: ``<!-- table: NAME.json CALL -->``, the table,
+``<!-- /table -->``, where ``CALL`` is one of :mod:`numba_sc.tools.tables` applied to
+the file (``network_table(r)``); the check makes it again and compares.
 """
 from __future__ import annotations
 
@@ -124,7 +128,7 @@ def span(values):
 
 VOCABULARY = {"rows": rows, "row": row, "run": run, "ratio": ratio, "span": span, "times": times, "versus": versus, "min": min, "max": max,
               "median": statistics.median, "mean": statistics.fmean, "len": len, "sum": sum, "abs": abs,
-              "round": round, "sorted": sorted, "SPCONV": SPCONV}
+              "round": round, "sorted": sorted, "range": range, "SPCONV": SPCONV}
 
 
 def evaluate(expression: str, record: dict):
@@ -140,14 +144,26 @@ def evaluate(expression: str, record: dict):
 
 # -- prose --------------------------------------------------------------------------------
 
-# A figure link: [text](path/to/benchmarks/results/NAME.json "expression").
-FIGURE_LINK = re.compile(r'\[([^\]\n]+)\]\(([^)\s]*benchmarks/results/([^)\s]+\.json))\s+"([^"\n]+)"\)')
+# A figure link: [text](path/to/benchmarks/results/NAME.json "expression") (the path relative to
+# the prose's own folder, as a link must be).
+FIGURE_LINK = re.compile(r'\[([^\]\n]+)\]\(([^)\s]*results/([^)\s]+\.json))\s+"([^"\n]+)"\)')
 NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
 # What a performance figure typed by hand looks like: a ratio (2.6x, 0.78 x), a time
 # (12 ms, 48 us), a rate (3 TB/s, 120 scans/s), a fraction of the peak.
 TYPED = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:x(?![\w])|\s?(?:ns|us|µs|ms)\b|\s?(?:[KMGT]B|TFLOP|GFLOP|scans|steps|voxels|points)/s\b)")
 TYPED_OK = re.compile(r"<!--\s*typed:\s*\S[^>]*-->")
 CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
+# A generated table: <!-- table: NAME.json CALL -->, the table, <!-- /table -->.
+TABLE = re.compile(r"<!-- table: (\S+\.json) (.+?) -->\n(.*?)\n?<!-- /table -->", re.S)
+
+
+def render_table(name: str, call: str, results_dir=None) -> str:
+    """The markdown table ``call`` (e.g. ``network_table(r)``, :mod:`numba_sc.tools.tables`)
+    makes from the result file ``name``."""
+    from .tables import TABLES
+
+    return eval(call, dict(VOCABULARY, **TABLES, r=load(name, results_dir), __builtins__={}))  # noqa: S307
+
 
 
 def prose_files(root=ROOT):
@@ -235,8 +251,18 @@ def check_prose(files=None, results_dir=None) -> list:
                 problem = _check_link(m, shown, results_dir)
                 if problem:
                     findings.append(Finding(where, m.group(1), problem))
+            for m in TABLE.finditer(text):
+                try:
+                    made = render_table(m.group(1), m.group(2), results_dir)
+                except Exception as err:
+                    findings.append(Finding(where, m.group(2), f"the table fails: {type(err).__name__}: {err}"))
+                    continue
+                if made.strip() != m.group(3).strip():
+                    findings.append(Finding(where, m.group(2), f"stale table: {m.group(1)} now makes another "
+                                            "(numba-sc figures --update writes it again)"))
             # Typed figures: everything outside code, figure links and marked lines.
-            bare = CODE.sub(lambda m: " " * len(m.group()), text)
+            bare = TABLE.sub(lambda m: " " * len(m.group()), text)
+            bare = CODE.sub(lambda m: " " * len(m.group()), bare)
             bare = FIGURE_LINK.sub(lambda m: " " * len(m.group()), bare)
             for paragraph in re.split(r"\n\s*\n", bare):
                 if TYPED_OK.search(paragraph):
@@ -248,7 +274,21 @@ def check_prose(files=None, results_dir=None) -> list:
     return findings
 
 
+def _update_tables(text, results_dir, where, changed):
+    def again(m):
+        try:
+            made = render_table(m.group(1), m.group(2), results_dir)
+        except Exception:
+            return m.group()
+        if made.strip() == m.group(3).strip():
+            return m.group()
+        changed.append(Finding(where, m.group(2), "table written again"))
+        return f"<!-- table: {m.group(1)} {m.group(2)} -->\n{made}\n<!-- /table -->"
+    return TABLE.sub(again, text)
+
+
 def _update_text(text, results_dir, where, changed):
+    text = _update_tables(text, results_dir, where, changed)
     out, last = [], 0
     for m, shown in _figures(text):
         try:
