@@ -60,8 +60,9 @@ def provenance(record: dict) -> str:
     """One line saying where a result file's numbers come from: device, date, command,
     code (the ``recorded`` block every benchmark writes; older files spell it differently)."""
     rec = record.get("recorded", record.get("meta", {}))
-    if rec and not isinstance(rec.get("device", ""), str):  # a file of several records
-        rec = next(iter(rec.values()))
+    if rec and "device" not in rec and all(isinstance(v, dict) for v in rec.values()):
+        # A file merged from several runs (bench_alternatives.py): each part's record.
+        return "; ".join(f"{part}: {provenance({'recorded': r})}" for part, r in rec.items())
     device = rec.get("device") or record.get("device") or record.get("gpu") or "?"
     date = rec.get("date") or str(rec.get("time", "?"))[:10]
     parts = [str(device), str(date)]
