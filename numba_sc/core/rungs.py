@@ -36,6 +36,11 @@ Names, one rule for every stage:
   ``batch_norm_v1``, ``batch_norm_v2``);
 * the library enters the last rung through the stage's ``*_cuda`` function, the
   counterpart of its ``*_reference``.
+
+A rung whose kernel calls linked CUDA C++ (``Rung(..., gpu_only=True)``: the
+implicit GEMM's tensor-core v4) cannot run under Numba's CUDA simulator; there
+the ladder's ``rungs`` leave it out, so the highest Python rung is the last, and
+``declared`` still lists it (``--list`` marks it).
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .backend import to_device, to_host
+from .device import simulating
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class Rung:
     name: str
     run: Callable  # run(work) -> the result, on the device
     adds: str  # one line
+    gpu_only: bool = False  # calls linked CUDA C++, which the simulator cannot run
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,9 @@ class Ladder:
     relative to the largest reference value (default: exact); ``needs`` the
     :class:`Context` fields beyond the coordinates the workload needs (a ladder whose
     needs are not given is left out).
+
+    ``rungs`` are the rungs that can run here: under the simulator the ``gpu_only``
+    ones are left out. ``declared`` holds every rung, as given.
     """
 
     stage: str
@@ -80,6 +90,12 @@ class Ladder:
     tolerance: dict | None = None
     collect: Callable | None = None
     needs: tuple = ()
+    declared: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "declared", tuple(self.rungs))
+        if simulating():
+            object.__setattr__(self, "rungs", tuple(r for r in self.rungs if not r.gpu_only))
 
     @cached_property
     def names(self) -> tuple:
@@ -95,6 +111,9 @@ class Ladder:
         for r in self.rungs:
             if r.name == name:
                 return r
+        if any(r.name == name for r in self.declared):
+            raise RuntimeError(f"{self.stage} {name} runs on a GPU only (it calls linked CUDA C++, which "
+                               f"Numba's CUDA simulator cannot run); the rungs here are {self.names}")
         raise ValueError(f"{self.stage}: rung must be one of {self.names}, got {name!r}")
 
     def run(self, name: str, work):

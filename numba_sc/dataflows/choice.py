@@ -4,7 +4,9 @@ TorchSparse++ and PCEngine both found that no one dataflow wins every layer:
 gather-GEMM-scatter (``"gmas"``, Minuet's) pays for moving every pair's
 features through global-memory buffers and wins when the GEMMs are large;
 fetch-on-demand (``"fetch"``) and implicit GEMM (``"implicit"``) move no
-buffers but compute on CUDA cores here (Numba has no tensor-core intrinsics),
+buffers but compute on CUDA cores here (Numba has no tensor-core intrinsics;
+the one exception is the implicit GEMM in fp16 on a GPU, whose rung v4 calls a
+tensor-core ``mma`` in linked CUDA C++, :func:`numba_sc.dataflows.implicit_gemm.library_rung`),
 so they can only win where the buffers, not the multiplications, cost the most:
 few channels, small clouds, where a layer is a handful of short launches. So
 ``sparse_conv3d(..., dataflow="auto")`` asks this module per layer, the way the
@@ -113,7 +115,8 @@ def rule_dataflow(c_in, c_out, dtype, n_out, map_given=False, pairs_per_output=0
       Fetch-on-demand won no row: its atomics cost more than the buffers they save.
 
     The measured ratios behind each branch: ``docs/performance.md``,
-    "dataflows/choice.py".
+    "dataflows/choice.py". They were measured before the implicit GEMM had its
+    tensor-core rung (v4, fp16): its fp16 branches are v3's, to be measured again.
     """
     small = c_in <= SMALL_CHANNELS and c_out <= SMALL_CHANNELS
     dense_and_large = pairs_per_output >= DENSE_PAIRS and (n_out or 0) >= LARGE_CLOUD

@@ -76,15 +76,18 @@ masks leave; :func:`plan_work` counts it), ``s`` splits:
   H100's ~3.35 TB/s, against ~49 MB of neighbour rows (the 24 MB of features
   fit the 50 MB L2) and a 24 MB output here.
 * arithmetic: ``2 r n C_in C_out`` flops, 1.56 GFLOP for ``r = 1`` in that
-  example. **Numba-CUDA has no wmma/mma intrinsics, so this kernel runs on the
-  CUDA cores (FP32 FMA), for fp16 data too** (fp16 values are widened as they
-  are loaded, sums are float32). At the H100 SXM's ~60 TFLOP/s of dense FP32
-  that is ~26 us at perfect efficiency, times ``r``; the fp16 tensor cores
-  (~990 TFLOP/s dense) would do it in ~1.6 us. So in fp32, where cuBLAS's
-  SGEMM runs on the same CUDA cores, the implicit GEMM trades the buffers'
-  traffic for ``r`` times the arithmetic; in fp16, gather-GEMM-scatter runs its
-  GEMM on the tensor cores and moves half the bytes (``4 n (C_in + C_out)``),
-  so it should win as soon as the channels make the GEMM count.
+  example. **Numba-CUDA has no wmma/mma intrinsics, so v1-v3 run on the CUDA
+  cores (FP32 FMA), for fp16 data too** (fp16 values are widened as they are
+  loaded, sums are float32). At the H100 SXM's ~60 TFLOP/s of dense FP32 that
+  is ~26 us at perfect efficiency, times ``r``; the fp16 tensor cores (~990
+  TFLOP/s dense) would do it in ~1.6 us. So in fp32, where cuBLAS's SGEMM runs
+  on the same CUDA cores, the implicit GEMM trades the buffers' traffic for
+  ``r`` times the arithmetic. In fp16, gather-GEMM-scatter runs its GEMM on the
+  tensor cores and moves half the bytes (``4 n (C_in + C_out)``); v4 puts the
+  implicit GEMM's tile on the tensor cores too, through a few lines of CUDA C++
+  linked into the Python kernel (:mod:`numba_sc.dataflows.tensor_cores`), so
+  that what is left is the gathers, as in gather-GEMM-scatter without its
+  buffers.
 * the register tile: for each input channel a thread reads ``THREAD_M +
   THREAD_N`` values from shared memory and does ``THREAD_M x THREAD_N`` FMAs.
   An SM serves about one warp-wide shared-memory access (a *wavefront*, 128
@@ -105,10 +108,18 @@ The ladder, one idea a rung (all checked against :func:`implicit_gemm_reference`
           ``TILE_K x TILE_N`` piece of ``W[k]``, reused by the whole block
     v3  + the sorted bitmask order and tile-mask skips (splits are separate
           launches), and a register tile of ``THREAD_M x THREAD_N`` outputs per
-          thread read with vector loads (the library's). What it bought: on the
-          dense cloud (1M random voxels at stride 4), 32 -> 32 fp32 with the map
-          given, the whole layer in 0.72x gather-GEMM-scatter's wall-clock time
-          (H100, 2026-11-24)
+          thread read with vector loads (the library's in fp32). What it bought:
+          on the dense cloud (1M random voxels at stride 4), 32 -> 32 fp32 with
+          the map given, the whole layer in 0.72x gather-GEMM-scatter's
+          wall-clock time (H100, 2026-11-24)
+    v4  + the tile's multiply-accumulate on the tensor cores: each warp calls a
+          CUDA C++ ``mma.m16n8k16`` on fp16 shared-memory tiles (``mma.cu``),
+          everything else v3's; GPU only (the simulator cannot run linked C++)
+          and fp16 only (the library's in fp16 from
+          :data:`TENSOR_CORE_MIN_CHANNELS` channels, :func:`library_rung`).
+          Measured against v3 per channel count:
+          ``benchmarks/results/ladder_implicit_gemm.json`` (64 channels) and
+          ``benchmarks/results/implicit_v4_channels.json``
 
 Expect v2 to be *slower* than v1 on a sparse map: a v1 thread skips each
 missing neighbour by itself, while a v2 block, which has no masks, multiplies
@@ -120,8 +131,9 @@ The layout of this module: the tiles and their choice (:class:`Tiles`,
 :func:`implicit_tiles`), argument checks, the reference
 (:func:`implicit_gemm_reference`), the plan (:class:`ImplicitPlan`,
 :func:`implicit_plan` and its NumPy reference), the ladder (:func:`implicit_gemm_v1`,
-:func:`implicit_gemm_v2`, :func:`implicit_gemm_v3`) and the launcher
-(:func:`implicit_gemm_cuda`; :func:`implicit_gemm_rung` runs any rung).
+:func:`implicit_gemm_v2`, :func:`implicit_gemm_v3`, and :func:`implicit_gemm_v4`
+with its :class:`TensorTiles`) and the launcher (:func:`implicit_gemm_cuda`, which
+runs the rung :func:`library_rung` picks; :func:`implicit_gemm_rung` runs any rung).
 
 Measured figures (Nsight Compute, against gather-GEMM-scatter and spconv):
 ``docs/performance.md``, "dataflows/implicit_gemm.py".
@@ -133,7 +145,7 @@ from functools import cache
 from typing import NamedTuple
 
 import numpy as np
-from numba import cuda, float32, int32, int64
+from numba import cuda, float32, from_dtype, int32, int64
 
 from ..core.device import device_xp, simulating
 from ..core.backend import to_device, to_host
@@ -141,6 +153,7 @@ from ..core.launch import launch
 from ..core.rungs import Ladder, Rung
 from ..core import conventions as cv
 from ..core.conventions import MASK_BITS, mask_words
+from .tensor_cores import c_col, c_row, check_gpu, data_pointer, warp_mma
 TILE_M_CHOICES = (16, 32, 64, 128)  # outputs per tile (the plan's tile_m)
 
 # Tile sizes. A kernel is compiled per tile shape (shared and register arrays need
@@ -682,6 +695,180 @@ def implicit_gemm_v3(tile_m: int, tile_n: int, tile_k: int, thread_m: int, threa
     return implicit
 
 
+class TensorTiles(NamedTuple):
+    """The shape one v4 kernel is compiled for (besides the plan's ``tile_m``)."""
+
+    tile_n: int  # output channels per block: 16, 32 or 64
+    tile_k: int  # input channels per shared-memory chunk: 16 or 32 (one or two mma steps)
+    a_vec: int  # fp16 values per global load of a neighbour row: 1, 2 or 4 (divides C_in)
+    b_vec: int  # fp16 values per global load of a weight row: 1, 2 or 4 (divides C_out)
+
+
+_WORDS = {1: np.uint16, 2: np.uint32, 4: np.uint64}  # fp16 values per load -> the word moved
+
+
+def _vec(channels: int) -> int:
+    """The widest load (4, 2 or 1 fp16 values) that divides ``channels``."""
+    return 4 if channels % 4 == 0 else 2 if channels % 2 == 0 else 1
+
+
+def tensor_tiles(c_in: int, c_out: int) -> TensorTiles:
+    """v4's tile shape for these channel counts: ``tile_n`` as v3's (a power of two,
+    16 to 64), chunks of 16 input channels up to ``C_in = 16``, else 32."""
+    return TensorTiles(min(64, max(16, _pow2_at_least(c_out))), 16 if c_in <= 16 else 32, _vec(c_in), _vec(c_out))
+
+
+def v4_shape(tile_m: int, tile_n: int) -> tuple:
+    """``(warps_m, warps_n, mi, ni)``: v4's block of ``tile_m x tile_n`` outputs as a grid
+    of warps (at most four), each owning ``16 mi`` rows by ``8 ni`` columns, a grid of
+    ``mi x ni`` mma tiles. ``tile_m = 64``: 2 x 2 warps of 32 x 32 for 64 columns, 4 x 1
+    warps of 16 x 32 (or 16 x 16) for 32 (or 16)."""
+    warps_n = max(1, tile_n // 32)
+    warps_m = max(1, min(tile_m // 16, 4 // warps_n))
+    return warps_m, warps_n, tile_m // warps_m // 16, tile_n // warps_n // 8
+
+
+@cache
+def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: int):
+    """v4: v3's kernel with the tile's multiply-accumulate on the tensor cores (fp16).
+
+    Everything around the arithmetic is v3's: a block per (tile of ``tile_m`` row
+    slots in the plan's order, tile of ``tile_n`` channels), the tile mask
+    skipping offsets no row of the tile has a pair through, the neighbour rows
+    looked up once per offset, chunks of ``tile_k`` input channels in shared
+    memory, the next chunk's global loads in flight during this one's math, one
+    store per output. What changed:
+
+    * **the math**: each warp owns ``16 mi x 8 ni`` outputs of the tile
+      (:func:`v4_shape`) and, per chunk, calls the C++ function
+      :func:`numba_sc.dataflows.tensor_cores.warp_mma`: ``ldmatrix`` fragments of
+      the shared tiles and ``mma.m16n8k16`` with fp32 accumulators. The
+      accumulators are a local array of ``4 mi ni`` floats per lane, laid out as
+      the mma's C fragment; the epilogue places them with ``c_row``/``c_col``.
+    * **the shared tiles stay fp16**, row-major: rows of the chunk (``[row
+      slot][channel]``, the mma's A) and ``W[k]``'s piece (``[channel][output
+      channel]``, its B, read transposed by ``ldmatrix.trans``), each row padded
+      by 8 values (16 bytes), so that the 8 row addresses of an ``ldmatrix``
+      fall in different banks.
+    * **the loads move words, not values**: the Python code never looks inside
+      an fp16 value (the tensor cores read them), so the features and weights are
+      viewed as 2-, 4- or 8-byte words (``a_vec``, ``b_vec`` fp16 values: the
+      widest that divides the channel count) and copied as such, up to four
+      values a load where v3 loads one.
+
+    Sums are float32, rounded once to fp16 at the store, as in v3 (only their
+    order differs). fp16 only: fp32 data has no fp16 tensor-core path that keeps
+    v3's rounding, so the library keeps fp32 on v3.
+    """
+    warps_m, warps_n, mi, ni = v4_shape(tile_m, tile_n)
+    threads = 32 * warps_m * warps_n
+    wm, wn = 16 * mi, 8 * ni  # the warp tile
+    word_a, word_b = from_dtype(_WORDS[a_vec]), from_dtype(_WORDS[b_vec])
+    kw_a, kw_b = tile_k // a_vec, tile_n // b_vec  # words of a chunk's row, of a weight row
+    a_pitch, b_pitch = tile_k + 8, tile_n + 8  # fp16 values a shared row (+8: see the docstring)
+    a_pitch_w, b_pitch_w = a_pitch // a_vec, b_pitch // b_vec
+    a_shared, b_shared = tile_m * a_pitch_w, tile_k * b_pitch_w  # words of the shared tiles
+    n_acc = 4 * mi * ni  # a lane's results
+    if tile_k % 16 or (tile_m * kw_a) % threads:
+        raise ValueError(f"v4 tile ({tile_m}, {tile_n}, {tile_k}) with loads of {a_vec} values is not supported: "
+                         f"tile_k must be a multiple of 16 and the {threads} threads must split the row tile evenly")
+    a_loads = tile_m * kw_a // threads  # words of the row tile each thread loads per chunk
+    b_size = tile_k * kw_b
+    b_loads = -(-b_size // threads)
+    k_steps = tile_k // 16  # mma steps a chunk
+    mma = warp_mma(mi, ni)  # the C++ (GPU only)
+
+    @cuda.jit(device=True, inline=True)
+    def load_rows(fw, srcs, c0w, tid, a_reg):
+        """This thread's words of the chunk's row tile: word ``e = tid + threads * r`` is
+        row slot ``e // kw_a``, word ``e % kw_a`` (neighbouring threads, neighbouring words)."""
+        c_in_w = fw.shape[1]
+        for r in range(a_loads):
+            w = (tid + threads * r) % kw_a
+            v = word_a(0)  # (all bits zero: fp16 +0.0)
+            if srcs[r] >= 0 and c0w + w < c_in_w:
+                v = fw[srcs[r], c0w + w]
+            a_reg[r] = v
+
+    @cuda.jit(device=True, inline=True)
+    def load_weights(ww, k, c0, n0w, tid, b_reg):
+        """This thread's words of the chunk's ``tile_k x tile_n`` piece of W[k]."""
+        c_in, c_out_w = ww.shape[1], ww.shape[2]
+        for r in range(b_loads):
+            e = tid + threads * r
+            kk = e // kw_b
+            w = e - kk * kw_b
+            v = word_b(0)
+            if e < b_size and c0 + kk < c_in and n0w + w < c_out_w:
+                v = ww[k, c0 + kk, n0w + w]
+            b_reg[r] = v
+
+    @cuda.jit
+    def implicit(fw, ww, table, order, tile_masks, k0, k1, base, has_base, out):
+        """``fw``: the features as words (n_in, C_in / a_vec); ``ww``: the weights as
+        words (K, C_in, C_out / b_vec); the rest as in v3."""
+        tid = cuda.threadIdx.x
+        n_out, c_out, c_in_w = out.shape[0], out.shape[1], fw.shape[1]
+        tiles_n = (c_out + tile_n - 1) // tile_n
+        tm = cuda.blockIdx.x // tiles_n
+        m0 = tm * tile_m
+        n0 = (cuda.blockIdx.x - tm * tiles_n) * tile_n
+        a_s = cuda.shared.array(a_shared, word_a, alignment=16)  # [row slot][channel], fp16 bits
+        b_s = cuda.shared.array(b_shared, word_b, alignment=16)  # [channel][output channel]
+        acc = cuda.local.array(n_acc, float32)  # this lane's C fragments, (i, j, r)
+        a_reg = cuda.local.array(a_loads, word_a)
+        b_reg = cuda.local.array(b_loads, word_b)
+        outs = cuda.local.array(a_loads, int32)
+        srcs = cuda.local.array(a_loads, int32)
+        warp, lane = tid // 32, tid % 32
+        row0 = (warp // warps_n) * wm  # the warp's tile, within the block's
+        col0 = (warp % warps_n) * wn
+        for q in range(n_acc):
+            acc[q] = float32(0.0)
+        for r in range(a_loads):
+            slot = m0 + (tid + threads * r) // kw_a
+            outs[r] = order[slot] if slot < n_out else -1
+        for k in range(k0, k1):
+            if ((tile_masks[k // MASK_BITS, tm] >> (k % MASK_BITS)) & 1) == 0:
+                continue  # no row of this tile has a pair through k
+            for r in range(a_loads):
+                o = outs[r]
+                srcs[r] = table[k, o] if o >= 0 else -1
+            for c0w in range(0, c_in_w, kw_a):
+                if c0w == 0:
+                    load_rows(fw, srcs, c0w, tid, a_reg)
+                    load_weights(ww, k, c0w * a_vec, n0 // b_vec, tid, b_reg)
+                for r in range(a_loads):
+                    e = tid + threads * r
+                    m = e // kw_a
+                    a_s[m * a_pitch_w + (e - m * kw_a)] = a_reg[r]
+                for r in range(b_loads):
+                    e = tid + threads * r
+                    if e < b_size:
+                        kk = e // kw_b
+                        b_s[kk * b_pitch_w + (e - kk * kw_b)] = b_reg[r]
+                cuda.syncthreads()
+                if c0w + kw_a < c_in_w:  # the next chunk's loads, in flight during the math
+                    load_rows(fw, srcs, c0w + kw_a, tid, a_reg)
+                    load_weights(ww, k, (c0w + kw_a) * a_vec, n0 // b_vec, tid, b_reg)
+                mma(data_pointer(acc), data_pointer(a_s), data_pointer(b_s), int32(a_pitch), int32(b_pitch),
+                    int32(row0), int32(col0), int32(k_steps))
+                cuda.syncthreads()
+        for i in range(mi):
+            for j in range(ni):
+                for r in range(4):
+                    slot = m0 + row0 + i * 16 + c_row(lane, r)
+                    n = n0 + col0 + j * 8 + c_col(lane, r)
+                    if slot < n_out and n < c_out:
+                        o = order[slot]
+                        v = acc[(i * ni + j) * 4 + r]
+                        if has_base:
+                            v += float32(base[o, n])
+                        out[o, n] = v  # rounded once, to the output's dtype
+
+    return implicit
+
+
 def _check_plan(plan, K, n_out):
     if not isinstance(plan, ImplicitPlan):
         raise TypeError(f"plan must be an ImplicitPlan (implicit_plan(table)), got {type(plan).__name__}")
@@ -690,27 +877,41 @@ def _check_plan(plan, K, n_out):
                          f"table is ({K}, {n_out}): build it with implicit_plan(table) for this map")
 
 
-def implicit_gemm_cuda(features, weight, table, plan, init=None, *, tiles: Tiles | None = None):
-    """Device version (v3, the library's): one launch of :func:`implicit_gemm_v3` per
-    mask split of ``plan``. Returns the (n_out, C_out) output, of the features' dtype
-    and on the device side; ``init`` is read, never modified.
+# v4 runs where it was measured faster than v3: fp16 layers with at least this many
+# channels in and out. Measured on the ladder's SemanticKITTI layer, C -> C, at
+# 4, 8, 16, 24, 32, 64, 96 and 128 channels: benchmarks/results/implicit_v4_channels.json
+# (v4 behind v3 at 4 channels, ahead from 8 on).
+TENSOR_CORE_MIN_CHANNELS = 8
 
-    ``tiles`` overrides the tile shape :func:`implicit_tiles` picks (for tuning).
-    """
-    K, n_out, c_in, c_out = check_inputs(features, weight, table, init)
-    _check_plan(plan, K, n_out)
+
+@cache
+def tensor_cores_here() -> bool:
+    """Whether this process's kernels can run v4: a GPU (not the simulator) of compute
+    capability 8.0 or later (the first with ``mma.m16n8k16`` in fp16)."""
+    return not simulating() and tuple(cuda.get_current_device().compute_capability) >= (8, 0)
+
+
+def library_rung(dtype, c_in: int, c_out: int) -> str:
+    """The rung :func:`implicit_gemm_cuda` runs: ``"v4"`` (tensor cores) for fp16 on a
+    GPU that has them, with at least :data:`TENSOR_CORE_MIN_CHANNELS` channels in
+    and out; ``"v3"`` for fp32, narrower layers and under the simulator, which
+    cannot run v4's linked C++."""
+    if np.dtype(dtype) != np.float16 or min(c_in, c_out) < TENSOR_CORE_MIN_CHANNELS:
+        return "v3"
+    return "v4" if tensor_cores_here() else "v3"
+
+
+def _run_splits(kernel, f, w, t, plan, init, c_out, out_dtype, threads, blocks):
+    """One launch of ``kernel`` per mask split of ``plan`` (v3 and v4 alike); the output
+    is ``(n_out, c_out)`` of ``out_dtype``, on the device side."""
     xp = device_xp()
-    f, w, t = to_device(features), to_device(weight), to_device(table)
-    base = to_device(init)
-    out = xp.empty((n_out, c_out), dtype=f.dtype)
+    n_out = plan.n_out
+    out = xp.empty((n_out, c_out), dtype=out_dtype)
     if n_out == 0:
         return out
-    tiles = tiles or implicit_tiles(plan.tile_m, c_in, c_out)
-    kernel = implicit_gemm_v3(plan.tile_m, *tiles)
-    threads = (plan.tile_m // tiles.thread_m) * (tiles.tile_n // tiles.thread_n)
-    blocks = plan.n_tiles * _cdiv(c_out, tiles.tile_n)
+    base = to_device(init)
     # Between splits the running sum stays in float32 (fp16: one rounding at the end).
-    running = out if (f.dtype == np.float32 or plan.splits == 1) else xp.empty((n_out, c_out), np.float32)
+    running = out if (out.dtype == np.float32 or plan.splits == 1) else xp.empty((n_out, c_out), np.float32)
     order, tile_masks = to_device(plan.order), to_device(plan.tile_masks)
     for s, (k0, k1) in enumerate(plan.bounds):
         last = s == plan.splits - 1
@@ -721,19 +922,68 @@ def implicit_gemm_cuda(features, weight, table, plan, init=None, *, tiles: Tiles
     return out
 
 
+def _implicit_v3(f, w, t, plan, init, tiles: Tiles | None = None):
+    """v3 on device arrays (checked by the caller)."""
+    c_in, c_out = int(f.shape[1]), int(w.shape[2])
+    tiles = tiles or implicit_tiles(plan.tile_m, c_in, c_out)
+    threads = (plan.tile_m // tiles.thread_m) * (tiles.tile_n // tiles.thread_n)
+    blocks = plan.n_tiles * _cdiv(c_out, tiles.tile_n)
+    return _run_splits(implicit_gemm_v3(plan.tile_m, *tiles), f, w, t, plan, init, c_out, f.dtype, threads,
+                       blocks)
+
+
+def _implicit_v4(f, w, t, plan, init, tiles: TensorTiles | None = None):
+    """v4 on device arrays (checked by the caller): GPU and fp16 only."""
+    check_gpu("implicit_gemm v4")
+    if f.dtype != np.float16:
+        raise TypeError(f"implicit_gemm v4 multiplies fp16 on tensor cores; features are {f.dtype}: "
+                        "pass float16 features and weights, or run v3 (implicit_gemm_cuda picks it for fp32)")
+    c_in, c_out = int(f.shape[1]), int(w.shape[2])
+    tiles = tiles or tensor_tiles(c_in, c_out)
+    warps_m, warps_n, _, _ = v4_shape(plan.tile_m, tiles.tile_n)
+    blocks = plan.n_tiles * _cdiv(c_out, tiles.tile_n)
+    # the loads move whole words of a_vec (b_vec) fp16 values: the same memory, viewed
+    fw = f.view(_WORDS[tiles.a_vec])
+    ww = w.view(_WORDS[tiles.b_vec])
+    return _run_splits(implicit_gemm_v4(plan.tile_m, *tiles), fw, ww, t, plan, init, c_out, f.dtype,
+                       32 * warps_m * warps_n, blocks)
+
+
+def implicit_gemm_cuda(features, weight, table, plan, init=None, *, tiles: Tiles | TensorTiles | None = None):
+    """Device version, the library's: one launch per mask split of ``plan`` of
+    :func:`implicit_gemm_v4` (tensor cores) or :func:`implicit_gemm_v3`, as
+    :func:`library_rung` picks. Returns the (n_out, C_out) output, of the
+    features' dtype and on the device side; ``init`` is read, never modified.
+
+    ``tiles`` overrides the tile shape (for tuning): a :class:`Tiles` runs v3 with
+    it, a :class:`TensorTiles` v4.
+    """
+    K, n_out, c_in, c_out = check_inputs(features, weight, table, init)
+    _check_plan(plan, K, n_out)
+    f, w, t = to_device(features), to_device(weight), to_device(table)
+    if isinstance(tiles, TensorTiles) or (tiles is None and library_rung(f.dtype, c_in, c_out) == "v4"):
+        return _implicit_v4(f, w, t, plan, init, tiles)
+    if tiles is not None and not isinstance(tiles, Tiles):
+        raise TypeError(f"tiles must be a Tiles (v3), a TensorTiles (v4) or None, got {type(tiles).__name__}")
+    return _implicit_v3(f, w, t, plan, init, tiles)
+
+
 def implicit_gemm_rung(rung: str, features, weight, table, plan, init=None):
-    """Run one rung of the ladder (``"v1"`` .. ``"v3"``); returns the (n_out, C_out)
-    output on the device side. v1 and v2 read only the plan's ``skip``; v3 is
-    :func:`implicit_gemm_cuda`."""
-    if rung == "v3":
-        return implicit_gemm_cuda(features, weight, table, plan, init)
-    if rung not in LADDER.names:
-        raise ValueError(f"rung must be one of {LADDER.names}, got {rung!r}")
+    """Run one rung of the ladder (``"v1"`` .. ``"v4"``); returns the (n_out, C_out)
+    output on the device side. v1 and v2 read only the plan's ``skip``. v4 runs on
+    a GPU only, and for fp32 data it is v3 (the library keeps fp32 there)."""
+    names = tuple(r.name for r in LADDER.declared)
+    if rung not in names:
+        raise ValueError(f"rung must be one of {names}, got {rung!r}")
     K, n_out, _, c_out = check_inputs(features, weight, table, init)
     _check_plan(plan, K, n_out)
-    xp = device_xp()
     f, w, t = to_device(features), to_device(weight), to_device(table)
-    out = xp.empty((n_out, c_out), dtype=f.dtype)
+    if rung == "v4":
+        check_gpu("implicit_gemm v4")
+        return (_implicit_v4 if f.dtype == np.float16 else _implicit_v3)(f, w, t, plan, init)
+    if rung == "v3":
+        return _implicit_v3(f, w, t, plan, init)
+    out = device_xp().empty((n_out, c_out), dtype=f.dtype)
     if n_out == 0:
         return out
     base = to_device(init) if init is not None else out
@@ -756,16 +1006,19 @@ def _ladder_work(ctx):
     return dict(layer, implicit_plan=plan)
 
 
-def _rung(name, adds):
+def _rung(name, adds, gpu_only=False):
     return Rung(name, lambda w: implicit_gemm_rung(name, w["features"], w["weight"], w["km"].table,
-                                                   w["implicit_plan"], w["init"]), adds)
+                                                   w["implicit_plan"], w["init"]), adds, gpu_only)
 
 
 LADDER = Ladder(
     "implicit_gemm",
     (_rung("v1", "one thread per (output, output channel) over every offset and input channel"),
      _rung("v2", "+ shared-memory tiles of the gathered rows and of W[k]"),
-     _rung("v3", "+ outputs sorted by offset mask, tiles skip absent offsets, a register tile (the library's)")),
+     _rung("v3", "+ outputs sorted by offset mask, tiles skip absent offsets, a register tile (the library's "
+                 "in fp32)"),
+     _rung("v4", "+ the tile's multiply-accumulate on tensor cores (mma in linked CUDA C++; fp16 only, "
+                 "fp32 runs v3; the library's in fp16)", gpu_only=True)),
     workload=_ladder_work,
     reference=lambda w: implicit_gemm_reference(to_host(w["features"]), to_host(w["weight"]),
                                                 to_host(w["km"].table), to_host(w["init"]), w["centre"]),

@@ -82,8 +82,8 @@ def list_ladders(print_=print):
     for path, (stage, ladder) in zip(STAGES, ladders().items()):
         needs = f"  (needs {', '.join(ladder.needs)})" if ladder.needs else ""
         print_(f"{stage}  ({path}){needs}")
-        for rung in ladder.rungs:
-            print_(f"  {rung.name}  {rung.adds}")
+        for rung in ladder.declared:
+            print_(f"  {rung.name}  {rung.adds}" + ("  [GPU only]" if rung.gpu_only else ""))
 
 
 def agreement(ladder, rung, work):
@@ -203,6 +203,8 @@ def run_ladder(stages, coords, channels=64, dtypes=("float32", "float16"), round
                 print_(line + "  " + adds)
                 rows.append(row)
                 prev = rung
+            for rung in (r for r in ladder.declared if r.name not in ladder.names):  # gpu_only, left out
+                print_(f"{stage:16s} {dtype:8s} {rung.name:5s} not run here: GPU only (linked CUDA C++)")
     if out:
         rec = {"points": int(len(coords)), "channels": channels, "rounds": rounds, "rows": rows,
                "recorded": {"device": device_name(), "date": time.strftime("%Y-%m-%d"),

@@ -8,18 +8,30 @@ Tolerances, relative to the norm of the result: float32 1e-5 (sums of a few
 dozen products in another order); float16 5e-3 (inputs and output in half
 precision, 11 significant bits; sums in float32, rounded once).
 
+v4 (tensor cores) calls linked CUDA C++, which the simulator cannot run: its
+tests against the reference run on a GPU only (skipped here, with the reason);
+under the simulator the tests check that the ladder says so and runs v3.
+
 The simulator runs one Python thread per CUDA thread, so the clouds are small
 (a few dozen to a few hundred outputs) and sparse, and the channel counts are
 picked to cross the simulator's tiles (chunks of 8 input channels, 16 output
 channels, 16 outputs) rather than to be large.
 """
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+from numba import cuda
 
 import numba_sc
 from numba_sc.dataflows import implicit_gemm as ig
-from numba_sc.core.backend import to_host
+from numba_sc.dataflows import tensor_cores as tc
+from numba_sc.core.backend import to_device, to_host
 from numba_sc.core.conventions import MASK_BITS
+from numba_sc.core.device import gpu_present, simulating
+from numba_sc.core.launch import launch
+from numba_sc.core.rungs import Ladder
+from numba_sc.tools import ladder
 
 RTOL32 = 1e-5
 RTOL16 = 5e-3
@@ -287,3 +299,143 @@ def test_bad_input(rng):
         ig.implicit_plan(table.astype(np.int64))
     with pytest.raises(ValueError, match="rung must be one of"):
         ig.implicit_gemm_rung("v9", f, w, table, plan)
+
+
+# ------------------------------------------------------- v4: tensor cores
+ON_GPU = gpu_present() and not simulating()
+GPU_ONLY = pytest.mark.skipif(not ON_GPU, reason="v4 calls linked CUDA C++ (tensor-core mma), which Numba's "
+                              "CUDA simulator cannot run: run with NUMBA_ENABLE_CUDASIM=0 on a GPU")
+
+
+def test_ladder_lists_v4_as_gpu_only_and_the_simulator_runs_v3(rng, capsys, monkeypatch):
+    """v4 is declared, marked GPU only in ``--list``; under the simulator the ladder's
+    rungs stop at v3, which the library runs, and asking for v4 says why it cannot."""
+    assert [r.name for r in ig.LADDER.declared] == ["v1", "v2", "v3", "v4"]
+    assert [r.name for r in ig.LADDER.declared if r.gpu_only] == ["v4"]
+    ladder.list_ladders()
+    listed = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  v4  + the tile's multiply")]
+    assert len(listed) == 1 and listed[0].endswith("[GPU only]")
+    if not simulating():
+        assert ig.LADDER.names[-1] == "v4"
+        return
+    assert ig.LADDER.names == ("v1", "v2", "v3")
+    assert ig.library_rung(np.float16, 64, 64) == "v3" and ig.library_rung(np.float32, 64, 64) == "v3"
+    with pytest.raises(RuntimeError, match="v4 runs on a GPU only"):
+        ig.LADDER.run("v4", {})
+    table, f, w = layer(rng, n=25, extent=4, c_in=16, c_out=16, dtype=np.float16)
+    plan = ig.implicit_plan(table)
+    with pytest.raises(RuntimeError, match="simulator cannot run"):
+        ig.implicit_gemm_rung("v4", f, w, table, plan)
+    with pytest.raises(RuntimeError, match="simulator cannot run"):
+        ig.implicit_gemm_cuda(f, w, table, plan, tiles=ig.TensorTiles(16, 16, 4, 4))
+    # fp16 at 16 channels, where a GPU would run v4: the simulator runs v3's kernel
+    assert_close(ig.implicit_gemm_cuda(f, w, table, plan), oracle(f, w, table), RTOL16)
+    # the ladder table says v4 was not run, and has no row for it (v3 alone beside it,
+    # on this small layer: the rungs' agreement on the ladder's own is tested elsewhere)
+    work = {"features": f, "weight": w, "km": SimpleNamespace(table=table), "implicit_plan": plan,
+            "init": centre_init(f, w, rng), "centre": -1}
+    short = Ladder("implicit_gemm", (ig.LADDER.rung("v3"), *[r for r in ig.LADDER.declared if r.gpu_only]),
+                   lambda ctx: work, ig.LADDER.reference, tolerance=ig.LADDER.tolerance)
+    monkeypatch.setattr(ladder, "ladders", lambda: {"implicit_gemm": short})
+    rows = ladder.run_ladder(["implicit_gemm"], cloud(rng, 30, 4), channels=4, dtypes=("float16",))
+    assert [r["rung"] for r in rows] == ["v3"] and rows[0]["agrees"]
+    assert "implicit_gemm    float16  v4    not run here: GPU only" in capsys.readouterr().out
+
+
+def test_the_mma_result_layout():
+    """The C fragment of m16n8k16: lane 5 holds D[1, 2:4] and D[9, 2:4] (the module's
+    example); the 32 lanes' four results cover the 16x8 tile once; the device
+    functions the epilogue uses (c_row, c_col) agree with the table."""
+    table = tc.c_layout_reference()
+    assert table[5].tolist() == [[1, 2], [1, 3], [9, 2], [9, 3]]
+    cover = np.zeros((16, 8), int)
+    np.add.at(cover, (table[..., 0].ravel(), table[..., 1].ravel()), 1)
+    assert (cover == 1).all()
+
+    @cuda.jit
+    def where(out):
+        lane = cuda.threadIdx.x
+        for r in range(4):
+            out[lane, r, 0] = tc.c_row(lane, r)
+            out[lane, r, 1] = tc.c_col(lane, r)
+
+    got = np.zeros((32, 4, 2), np.int32)
+    got_d = to_device(got)
+    launch(where, 32, got_d, threads=32)
+    np.testing.assert_array_equal(to_host(got_d), table)
+
+
+@pytest.mark.parametrize("tile_m", ig.TILE_M_CHOICES)
+@pytest.mark.parametrize("c_in,c_out", [(3, 5), (16, 16), (24, 40), (40, 96), (96, 24), (64, 64), (256, 256)])
+def test_v4_tile_shapes(tile_m, c_in, c_out):
+    """Every plan tile and channel count gets a warp grid of at most four warps whose
+    warp tiles mma.cu defines, covering the block's tile exactly; loads that divide
+    the channels; and a row tile the threads split evenly."""
+    tiles = ig.tensor_tiles(c_in, c_out)
+    warps_m, warps_n, mi, ni = ig.v4_shape(tile_m, tiles.tile_n)
+    assert (mi, ni) in tc.MMA_SHAPES and warps_m * warps_n <= 4
+    assert (warps_m * 16 * mi, warps_n * 8 * ni) == (tile_m, tiles.tile_n)
+    assert tiles.tile_n >= min(c_out, 64) and tiles.tile_k in (16, 32)
+    assert c_in % tiles.a_vec == 0 and c_out % tiles.b_vec == 0
+    assert (tile_m * tiles.tile_k // tiles.a_vec) % (32 * warps_m * warps_n) == 0
+
+
+@GPU_ONLY
+def test_mma_probe_equals_numpy(rng):
+    """One warp, two mma of the linked C++: a 16x16 @ 16x16 fp16 product to fp32
+    rounding (the products of fp16 values are exact in fp32)."""
+    a = rng.standard_normal((16, 16)).astype(np.float16)
+    b = rng.standard_normal((16, 16)).astype(np.float16)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    assert np.abs(tc.mma_probe(a, b) - want).max() <= 1e-6 * np.abs(want).max()
+
+
+V4_CASES = [  # (n, extent, kernel, c_in, c_out, splits, centre skipped with init, tile_m)
+    (310, 10, 3, 16, 16, 1, True, 64),
+    (257, 9, 3, 24, 40, 2, True, 64),  # loads of 4 values; C_out in two 32-wide column tiles
+    (400, 11, 3, 96, 24, 1, False, 32),
+    (333, 10, 3, 40, 96, 3, True, 128),  # 96 outputs: a 64-wide and a part-filled column tile
+    (150, 8, 3, 3, 5, 1, True, 16),  # the first layer's channels: loads of one value
+    (200, 9, 2, 6, 18, 2, False, 64),  # strided 2x2x2 map, loads of two values
+]
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("case", V4_CASES)
+def test_v4_equals_the_reference(rng, case):
+    """v4 against implicit_gemm_reference: rows that do not fill the last tile,
+    channels that fill no tile, the centre skipped with an init, mask splits. Sums
+    are float32 rounded once, so within one fp16 ulp of the reference (plus the
+    float32 slack of another summation order)."""
+    n, extent, ks, c_in, c_out, splits, centre, tile_m = case
+    stride = 2 if ks == 2 else 1
+    table, f, w = layer(rng, n=n, extent=extent, kernel_size=ks, stride=stride, c_in=c_in, c_out=c_out,
+                        dtype=np.float16)
+    skip = CENTRE if centre else -1
+    init = centre_init(f, w, rng) if centre else None
+    assert table.shape[1] % tile_m, "the last tile must be part-filled"
+    plan = ig.implicit_plan(table, splits, skip, tile_m)
+    want = ig.implicit_gemm_reference(f, w, table, init, skip)
+    got = to_host(ig.implicit_gemm_cuda(f, w, table, plan, init, tiles=ig.tensor_tiles(c_in, c_out)))
+    assert got.dtype == np.float16 and got.shape == want.shape
+    ulp = np.spacing(np.abs(want).astype(np.float16)).astype(np.float32)
+    slack = 1e-5 * float(np.abs(want.astype(np.float32)).max())
+    assert (np.abs(got.astype(np.float32) - want.astype(np.float32)) <= ulp + slack).all()
+    assert_close(ig.implicit_gemm_rung("v4", f, w, table, plan, init), oracle(f, w, table, init, skip), RTOL16)
+
+
+@GPU_ONLY
+def test_the_library_runs_v4_for_wide_fp16_layers(rng):
+    """On a GPU with tensor cores, implicit_gemm_cuda runs v4 for fp16 from
+    TENSOR_CORE_MIN_CHANNELS channels (the same result as the explicit v4 tiles),
+    v3 for fp32 and narrower layers."""
+    c = ig.TENSOR_CORE_MIN_CHANNELS
+    assert ig.library_rung(np.float16, c, c) == "v4"
+    assert ig.library_rung(np.float32, c, c) == "v3" and ig.library_rung(np.float16, c - 1, c) == "v3"
+    table, f, w = layer(rng, n=200, extent=9, c_in=c, c_out=c, dtype=np.float16)
+    plan = ig.implicit_plan(table, skip=CENTRE)
+    auto = to_host(ig.implicit_gemm_cuda(f, w, table, plan))
+    v4 = to_host(ig.implicit_gemm_cuda(f, w, table, plan, tiles=ig.tensor_tiles(c, c)))
+    np.testing.assert_array_equal(auto, v4)
+    with pytest.raises(TypeError, match="v4 multiplies fp16"):
+        ig.implicit_gemm_cuda(f.astype(np.float32), w.astype(np.float32), table, plan, tiles=ig.tensor_tiles(c, c))
