@@ -1,0 +1,170 @@
+"""Exercises of notebook 06, the GEMM grouping (stage 9).
+
+6.1  Minuet's grouping: offsets sorted by pair count, neighbours batched under a padding budget;
+6.2  the least padding any grouping into at most L batched GEMMs can have;
+6.3  the price of a launch in padding rows (what ``sparse_conv3d`` weighs on small layers).
+
+The pair counts come from real layers: 3x3x3 kernel maps (stride 1 and 2) of crops of the
+SemanticKITTI scan and of the SUN RGB-D frame, and the notebook's eight-offset toy.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from . import ExerciseFailed, exercise, expect_equal
+from .nb04 import data_folder
+
+TOY = [5, 2, 8, 6, 2, 7, 5, 8]  # notebook 06's eight offsets, in map order
+BUDGETS = (0.0, 0.05, 0.25, 1.0)  # max_padding values every grouping answer is checked with
+
+
+def layers():
+    """(name, pair counts, the centre offset or None) of the toy, then of a few real layers
+    (their maps are built on first use: an unanswered exercise stops at the toy)."""
+    yield "toy", list(TOY), None
+    yield from real_layers()
+
+
+@lru_cache(maxsize=None)
+def real_layers() -> tuple:
+    """(name, pair counts, the centre offset or None) of 3x3x3 layers, stride 1 and 2, on
+    crops of 3,000 points of the SemanticKITTI scan and of the SUN RGB-D frame."""
+    from ...coords.voxelization import voxelize
+    from ...gmas.metadata import submanifold_centre
+    from ...map.kernel_map import build_kernel_map
+    from ..check import crop_points
+
+    found = []
+    for name, fname, cols, size in (("SemanticKITTI", "semantickitti_000000.bin", 4, 0.05),
+                                    ("SUN RGB-D", "sunrgbd_000017.bin", 6, 0.02)):
+        points = np.fromfile(data_folder() / fname, np.float32).reshape(-1, cols)
+        patch = np.ascontiguousarray(points[crop_points(points, 3000), :3])
+        coords = voxelize(patch, size, backend="reference").coords
+        for stride in (1, 2):
+            km = build_kernel_map(coords, 3, stride=stride, backend="reference")
+            centre = submanifold_centre(km)
+            found.append((f"{name} crop, 3x3x3 stride {stride}", np.asarray(km.counts).tolist(),
+                          centre if centre >= 0 else None))
+    return tuple(found)
+
+
+def _members(groups, what):
+    """The answer's groups as a list of tuples of ints, or a clear failure."""
+    try:
+        return [tuple(int(k) for k in g) for g in groups]
+    except TypeError:
+        raise ExerciseFailed(f"{what}: return a list of groups, each a tuple of offset indices; "
+                             f"got {groups!r}") from None
+
+
+# --------------------------------------------------------------------- 6.1
+def _budget_before_adding(counts, skip, max_padding):
+    """A plausible slip: the budget taken on the group's real rows *before* the new offset."""
+    ks = sorted((k for k, n in enumerate(counts) if n > 0 and k != skip), key=lambda k: counts[k])
+    groups, members, real, tallest = [], [], 0, 0
+    for k in ks:
+        c = counts[k]
+        t = max(tallest, c)
+        if members and t * (len(members) + 1) - (real + c) <= max_padding * real:
+            members, real, tallest = members + [k], real + c, t
+            continue
+        if members:
+            groups.append(tuple(members))
+        members, real, tallest = [k], c, c
+    return groups + ([tuple(members)] if members else [])
+
+
+@exercise("6.1", "Minuet's grouping", answer="minuet_groups", wrong=_budget_before_adding)
+def check_groups(minuet_groups):
+    """``minuet_groups(counts, skip, max_padding)`` against the library's grouping of the
+    sorted offsets (:func:`numba_sc.gmas.gemm_grouping.make_groups`), on every layer and budget."""
+    from ...gmas import gemm_grouping as gg
+
+    for name, counts, skip in layers():
+        for budget in BUDGETS:
+            what = f"{name}, max_padding = {budget}"
+            want = [g.members for g in gg.make_groups(counts, gg.offset_order(counts, True, skip), budget)]
+            got = _members(minuet_groups(list(counts), skip, budget), what)
+            if got != want:
+                first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                raise ExerciseFailed(f"{what}: group {first} is {got[first] if first < len(got) else None}, "
+                                     f"expected {want[first] if first < len(want) else None} ({len(got)} groups, "
+                                     f"expected {len(want)}; counts {list(counts)})")
+
+
+# --------------------------------------------------------------------- 6.2
+def padded_rows(counts, groups) -> int:
+    """Zero rows a grouping adds: each group padded to its tallest member."""
+    return sum(len(g) * max(counts[k] for k in g) - sum(counts[k] for k in g) for g in groups)
+
+
+def least_padding(counts, skip, launches) -> int:
+    """The fewest padding rows of any grouping into at most ``launches`` batched GEMMs.
+
+    Some optimal grouping cuts the offsets *sorted by count* into runs (swapping two
+    offsets between groups so that the taller group gets the taller one never adds
+    padding), so a dynamic programme over the sorted counts finds it:
+    ``best[g][i]`` is the least padding of the i smallest offsets in g groups."""
+    c = sorted(n for k, n in enumerate(counts) if n > 0 and k != skip)
+    prefix = np.concatenate([[0], np.cumsum(c)])
+    inf = float("inf")
+    best = [0] + [inf] * len(c)  # no group yet: only the empty prefix costs nothing
+    least = best[-1]
+    for _ in range(launches):  # one more group: the last run is c[a:i], padded to c[i - 1]
+        best = [0] + [min(best[a] + c[i - 1] * (i - a) - (prefix[i] - prefix[a]) for a in range(i))
+                      for i in range(1, len(c) + 1)]
+        least = min(least, best[-1])
+    return int(least)
+
+
+def _equal_runs(counts, skip, launches):
+    """A plausible slip: the sorted offsets cut into ``launches`` runs of equal length,
+    wherever the counts jump."""
+    ks = sorted((k for k, n in enumerate(counts) if n > 0 and k != skip), key=lambda k: counts[k])
+    return [tuple(int(k) for k in part) for part in np.array_split(ks, launches) if len(part)]
+
+
+@exercise("6.2", "the least padding in L launches", answer="fewest_padding_groups", wrong=_equal_runs)
+def check_fewest_padding(fewest_padding_groups):
+    """``fewest_padding_groups(counts, skip, launches)``: every offset with pairs (but ``skip``)
+    in exactly one group, at most ``launches`` groups, and no more padding than the
+    optimum (:func:`least_padding`)."""
+    for name, counts, skip in layers():
+        wanted = sorted(k for k, n in enumerate(counts) if n > 0 and k != skip)
+        for launches in (1, 2, 3, 5):
+            what = f"{name}, at most {launches} launches"
+            groups = _members(fewest_padding_groups(list(counts), skip, launches), what)
+            if sorted(k for g in groups for k in g) != wanted:
+                raise ExerciseFailed(f"{what}: the groups must hold every offset with pairs once (skip {skip}): "
+                                     f"got {groups}")
+            if len(groups) > launches:
+                raise ExerciseFailed(f"{what}: {len(groups)} groups")
+            got, best = padded_rows(counts, groups), least_padding(counts, skip, launches)
+            if got > best:
+                raise ExerciseFailed(f"{what}: {got} padding rows, but {best} are possible (counts {list(counts)})")
+
+
+# --------------------------------------------------------------------- 6.3
+def _bytes_only(c_in, c_out, itemsize):
+    """A plausible slip: a padding row priced by its bytes alone, as if every GEMM were
+    memory bound (wide layers are not: their flops take longer)."""
+    from ...gmas import gemm_grouping as gg
+
+    return int(gg.LAUNCH_US / ((c_in + c_out) * itemsize / gg.BYTES_PER_US))
+
+
+@exercise("6.3", "the price of a launch", answer="launch_rows", wrong=_bytes_only)
+def check_launch_rows(launch_rows):
+    """``launch_rows(c_in, c_out, itemsize)`` against :func:`numba_sc.gmas.gemm_grouping.launch_rows`
+    over the channel counts of the networks, in fp32 and fp16."""
+    from ...gmas import gemm_grouping as gg
+
+    shapes = [(c_in, c_out, item) for c_in, c_out in ((4, 16), (16, 32), (32, 32), (64, 64), (96, 128),
+                                                      (128, 128), (256, 256), (32, 256))
+              for item in (4, 2)]
+    got = [launch_rows(*s) for s in shapes]
+    want = [gg.launch_rows(*s) for s in shapes]
+    for s, g, w in zip(shapes, got, want):
+        expect_equal(g, w, f"launch_rows{s} (C_in, C_out, itemsize)")
