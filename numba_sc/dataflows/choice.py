@@ -29,8 +29,8 @@ cache here.
 
 Worked example: a 4 -> 16 fp32 layer on 30k voxels, never measured, gets the
 rule's answer (gmas when it builds its map, implicit when it is given one);
-after ``choose_dataflow(x, w)`` timed gmas 0.31 ms, fetch 0.22 ms, implicit
-0.25 ms, every layer of that shape and size class runs fetch.
+once ``choose_dataflow(x, w)`` has timed the three and found fetch the fastest,
+every layer of that shape and size class runs fetch.
 """
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .implicit_gemm import library_rung
 
 DATAFLOWS = ("gmas", "fetch", "implicit")
 MAP_METHODS = ("sorted", "hash", "grid")
@@ -103,10 +105,12 @@ def rule_dataflow(c_in, c_out, dtype, n_out, map_given=False, pairs_per_output=0
       the layer is given its map (its plan is then kept on the map) on a small
       cloud (at most :data:`SMALL_CLOUD` outputs: one launch instead of several),
       or on a large dense cloud;
-    * ``"implicit"`` in fp32 up to :data:`MID_CHANNELS` channels on a large dense
-      cloud, where gmas moves ~16 pairs
-      a voxel through its buffers; in fp16 gmas's GEMMs run on tensor cores and
-      win from 32 channels on;
+    * ``"implicit"`` up to :data:`MID_CHANNELS` channels on a large dense cloud,
+      where gmas moves ~16 pairs a voxel through its buffers: in fp32 (v3), and in
+      fp16 where the implicit GEMM runs its tensor-core rung (v4; without it gmas's
+      GEMMs, on tensor cores, win from 32 channels on). Above that cuBLAS's GEMMs
+      win in both (``benchmarks/results/alternatives_fp16_v4.json`` on the H200 for
+      fp16 with v4);
     * ``"gmas"`` everywhere else. A small layer that builds its own map would
       also build the implicit plan (a sort of the outputs by mask), which cost
       more than the dataflow saved on every scan row; on the sparse 1M cloud
@@ -115,14 +119,14 @@ def rule_dataflow(c_in, c_out, dtype, n_out, map_given=False, pairs_per_output=0
       Fetch-on-demand won no row: its atomics cost more than the buffers they save.
 
     The measured ratios behind each branch: ``docs/performance.md``,
-    "dataflows/choice.py". They were measured before the implicit GEMM had its
-    tensor-core rung (v4, fp16): its fp16 branches are v3's, to be measured again.
+    "dataflows/choice.py"; the fp16 rows with v4 in ``alternatives_fp16_v4.json``.
     """
     small = c_in <= SMALL_CHANNELS and c_out <= SMALL_CHANNELS
     dense_and_large = pairs_per_output >= DENSE_PAIRS and (n_out or 0) >= LARGE_CLOUD
     if small and ((map_given and (n_out or 0) <= SMALL_CLOUD) or dense_and_large):
         return "implicit"
-    if dense_and_large and np.dtype(dtype) == np.float32 and c_in <= MID_CHANNELS and c_out <= MID_CHANNELS:
+    if dense_and_large and c_in <= MID_CHANNELS and c_out <= MID_CHANNELS and (
+            np.dtype(dtype) == np.float32 or library_rung(dtype, c_in, c_out) == "v4"):
         return "implicit"
     return "gmas"
 
@@ -163,7 +167,8 @@ def rule_map_method(n_points, kernel_volume) -> str:
 def map_method_for(n_points, kernel_volume) -> str:
     """The measured method for clouds of this size class, else the rule. ``kernel_volume``
     may be a callable that returns it: it is asked only when something was measured
-    (every Map step asks this, and its ~0.1-0.2 ms has no microseconds to spare)."""
+    (every Map step asks this, and on a scan a Map step is short enough that each
+    microsecond of host time shows)."""
     if not _METHOD:
         return rule_map_method(n_points, None)
     K = kernel_volume() if callable(kernel_volume) else kernel_volume

@@ -117,11 +117,17 @@ def test_rule_runs_implicit_on_a_given_map_with_few_channels(rng, monkeypatch):
 
 def test_rule_by_cloud_density_and_size():
     """The measured table's boundaries: a large sparse cloud runs gmas even when given its
-    map; a large dense one runs implicit up to 16 channels, and up to 64 in fp32."""
+    map; a large dense one runs implicit up to 16 channels, and up to 64 in fp32, or in
+    fp16 where the implicit GEMM has its tensor-core rung (v4: a GPU, not the simulator)."""
+    from numba_sc.dataflows.implicit_gemm import library_rung
+
     big, dense, sparse = 600_000, 16.0, 0.4
     assert ch.rule_dataflow(4, 16, np.float32, big, True, sparse) == "gmas"
     assert ch.rule_dataflow(4, 16, np.float16, big, False, dense) == "implicit"
-    assert ch.rule_dataflow(32, 32, np.float16, big, False, dense) == "gmas"
+    fp16_mid = "implicit" if library_rung(np.float16, 32, 32) == "v4" else "gmas"
+    assert ch.rule_dataflow(32, 32, np.float16, big, False, dense) == fp16_mid
+    assert ch.rule_dataflow(64, 64, np.float16, big, False, dense) == fp16_mid
+    assert ch.rule_dataflow(128, 128, np.float16, big, False, dense) == "gmas"
     assert ch.rule_dataflow(64, 64, np.float32, big, False, dense) == "implicit"
     assert ch.rule_dataflow(128, 128, np.float32, big, False, dense) == "gmas"
     assert ch.rule_dataflow(4, 16, np.float32, 50_000, False, dense) == "gmas"  # small: the plan's sort costs
