@@ -51,9 +51,11 @@ def _python(obj):
 
 
 def code(stage: str, rung: str) -> str:
-    """The source of ``stage``'s rung ``rung`` (``code("gather", "v1")``)."""
+    """The source of ``stage``'s rung ``rung`` (``code("gather", "v1")``), or of any kernel
+    or function of the stage's module by its name (``code("voxelization",
+    "atomic_reduce_v1")``: a kernel that one step of a rung launches)."""
     module = _module(stage)
-    name = f"{OPERATION.get(stage, stage)}_{rung}"
+    name = f"{OPERATION.get(stage, stage)}_{rung}" if re.fullmatch(r"v\d+", rung) else rung
     if not hasattr(module, name):
         have = sorted(n for n in vars(module) if re.fullmatch(r"[a-z_]+_v\d+", n))
         raise ValueError(f"{module.__name__} has no {name}; its rung objects are {have}")
@@ -74,16 +76,19 @@ def _display(text: str, language: str):
 
 
 def show(stage: str, rung: str) -> None:
-    """Print ``stage``'s rung ``rung`` (highlighted in a notebook)."""
+    """Print ``stage``'s rung ``rung``, or the kernel of that name (highlighted in a notebook)."""
     _display(code(stage, rung), "python")
 
 
 def diff(stage: str, lower: str, upper: str, context: int = 2) -> str:
     """What rung ``upper`` changed against rung ``lower``, as a unified diff (printed,
-    and returned). Only the lines that differ are shown, with ``context`` lines around."""
+    and returned). Only the lines that differ are shown, with ``context`` lines around.
+    Either may name a kernel instead (``diff("voxelization", "atomic_reduce_v1", "v2")``:
+    where v1 is a host function launching two kernels, the kernel that v2 replaces)."""
     a, b = code(stage, lower).splitlines(), code(stage, upper).splitlines()
     name = OPERATION.get(stage, stage)
-    lines = difflib.unified_diff(a, b, f"{name}_{lower}", f"{name}_{upper}", n=context, lineterm="")
+    label = lambda r: f"{name}_{r}" if re.fullmatch(r"v\d+", r) else r  # noqa: E731
+    lines = difflib.unified_diff(a, b, label(lower), label(upper), n=context, lineterm="")
     text = "\n".join(lines)
     _display(text, "diff")
     return text
@@ -99,7 +104,10 @@ def bought(stage: str, record: str = "ladder_all_kitti", print_=print) -> list:
     rows = [r for r in rec["rows"] if RECORDED_NAMES.get(r["stage"], r["stage"]) == stage]
     if not rows:
         raise ValueError(f"{record}.json records no rung of {stage!r}")
-    print_(f"{stage}: {rec['points']:,} voxels, {rec['channels']} channels ({results.provenance(rec)})")
+    # The Map step's stages and voxelization do not depend on the features' channel count.
+    channels = "" if stage in ("voxelization", "output_coords", "backward_search", "forward_search") \
+        else f", {rec['channels']} channels"
+    print_(f"{stage}: {rec['points']:,} voxels{channels} ({results.provenance(rec)})")
     print_(f"{'rung':5} {'dtype':8} {'GPU us':>9} {'vs below':>9} {'vs v1':>7}  adds")
     for r in rows:
         print_(f"{r['rung']:5} {r['dtype']:8} {r['gpu_us']:9.1f} {r['step']:8.2f}x {r['vs_v1']:6.2f}x  {r['adds']}")
