@@ -134,9 +134,11 @@ def output_coords_v2(coords, stride, tensor_stride=1):
     instead of two. Each read is a host-device round trip that stalls the
     launch queue (``docs/performance.md``).
 
-    What it bought: the SemanticKITTI scan at stride 2, 529 -> 333 us (H100,
-    2026-11-24; host-bound, so the times include the host's waits; more in
-    ``docs/performance.md``, "coords/output_coords.py").
+    What it bought on the SemanticKITTI scan at stride 2 is recorded in
+    ``benchmarks/results/ladder_all_kitti.json``
+    (``numba_sc.tools.lesson.bought("output_coords")``; host-bound, so the times
+    include the host's waits; more in ``docs/performance.md``,
+    "coords/output_coords.py").
     """
     c, s, keys, report = _pack(coords, stride, tensor_stride)
     xp = device_xp()

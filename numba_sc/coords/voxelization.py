@@ -223,8 +223,9 @@ def voxelization_v2(features, order, starts, mode, out):
     and write once: no atomics, no zeroed buffer, no second pass, and the sum
     runs in the same order every time (v1's order is the threads' race, so its
     float sums may differ in the last bit from run to run). What it bought in
-    time: none, the SemanticKITTI scan (123k points, 4 channels), the whole
-    stage, 602 -> 622 us (H100, 2026-11-24). At 4 channels the reduction is a
+    time: none, on the SemanticKITTI scan (123k points, 4 channels), the whole
+    stage (``python -m numba_sc ladder voxelization``, recorded in
+    ``benchmarks/results/ladder_all_kitti.json``). At 4 channels the reduction is a
     sliver of the stage (the sort and its device read are most of it), so what
     v2 buys here is the same result run after run, not time; it stays the
     library's for that.

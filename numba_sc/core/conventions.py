@@ -91,7 +91,7 @@ METADATA_THREADS = 128  # threads per metadata block on the GPU: chunks of 1024 
 # a few hundred points. The forward search uses it too.
 SIMULATOR_THREADS = 16
 # Tried on the H100: 32 outputs per thread (fewer blocks, so fewer of the one-thread
-# scans) made the tables kernel 2.3x slower on 1M points (330 -> 753 us): a warp's
+# scans) made the tables kernel more than twice as slow on 1M points: a warp's
 # runs then lie 128 bytes apart and every load instruction touches 32 cache lines.
 ITEMS_PER_THREAD = 8
 

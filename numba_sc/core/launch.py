@@ -106,8 +106,10 @@ def launch(kernel, n: int, *args, threads: int = THREADS, blocks: int | None = N
 class FastLauncher:
     """Launch an already compiled Numba kernel on CuPy arrays with little host work.
 
-    Why: a Numba launch given CuPy arrays costs ~117 us of host time on the GPU
-    machine (measured, ``benchmarks/bench_launch.py``), because for every call
+    Why: a Numba launch given CuPy arrays costs about as much host time on the
+    GPU machine as one of our kernels takes on the GPU on ~100k points
+    (measured: ``docs/performance.md``, "The launch path";
+    ``benchmarks/bench_launch.py`` measures it again), because for every call
     and every array the dispatcher parses ``__cuda_array_interface__``, infers
     the Numba type, picks the compiled overload and wraps the array. A stage of
     ours is a few such launches on ~100k points, so the host, not the GPU, sets

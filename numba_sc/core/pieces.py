@@ -142,7 +142,8 @@ def piece(base, offset, shape, dtype):
     ``shape`` (a tuple of ints) and ``dtype``: a :class:`Piece` on a GPU, a NumPy
     view under the simulator. ``offset`` must be a multiple of the dtype's size.
 
-    Plain Python arithmetic on purpose: ``np.prod`` of a shape alone costs ~3 us.
+    Plain Python arithmetic on purpose: ``np.prod`` of a shape alone costs more
+    host time than the whole of this function's arithmetic.
     """
     dtype = _DTYPES.get(dtype) or _DTYPES.setdefault(dtype, np.dtype(dtype))
     nbytes = dtype.itemsize

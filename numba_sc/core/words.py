@@ -87,8 +87,9 @@ def as_words(a, rows: int, per_row: int, word):
 
 @lru_cache(maxsize=1024)
 def _words_template(rows, per_row, word):
-    # A piece of no allocation yet, moved into each new array: ~2x cheaper than a
-    # new piece, and a layer asks for the same few shapes call after call.
+    # A piece of no allocation yet, moved into each new array: about half the host
+    # time of a new piece (docs/performance.md, "core/"), and a layer asks for the
+    # same few shapes call after call.
     return piece_template(0, (rows, per_row), word)
 
 

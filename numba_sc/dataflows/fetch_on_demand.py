@@ -83,12 +83,12 @@ What fetch-on-demand pays instead:
 
 SemanticKITTI at 0.05 m (94,444 voxels; ~190k pairs outside the centre in a
 3x3x3 layer), 64 channels in and out, fp32: the two buffers would be 2 x 48.6
-MB, written once and read once, 195 MB in all, about 65 us at the H100's
-~3 TB/s; fetch-on-demand issues 12.2M atomic adds into a 24 MB output (which
-fits the H100's 50 MB L2) instead. Which costs less depends on the channels
-and the cloud, which is why PCEngine and TorchSparse++ pick per layer group
-(PCEngine: fetch-on-demand for small channel counts, gather-GEMM-scatter for
-large ones). Measured here, the atomics and their waits dominate: as a whole
+MB, written once and read once, 195 MB in all, which at the H100's bandwidth is
+about 65 us at ~3 TB/s (typed: napkin math); fetch-on-demand issues 12.2M
+atomic adds into a 24 MB output (which fits the H100's 50 MB L2) instead.
+Which costs less depends on the channels and the cloud, which is why PCEngine
+and TorchSparse++ pick per layer group (PCEngine: fetch-on-demand for small
+channel counts, gather-GEMM-scatter for large ones). Measured here, the atomics and their waits dominate: as a whole
 layer it beat gather-GEMM-scatter only at the smallest channel counts on small
 clouds given their map, where the implicit GEMM was faster still, so
 ``dataflow="auto"`` never picks it (figures: ``docs/performance.md``,
@@ -421,8 +421,9 @@ def v2_tiles(c_in: int, c_out: int, simulated=None) -> FetchTiles:
     more): a depth larger than C_in would multiply zeros. Simulated: 8 x 8 tiles
     of 4 x 2 a thread (8 Python threads a block) and a depth of at most 8, so
     that small test channel counts still take several steps of every loop. (The
-    simulator pays ~0.2 ms to start each thread and ~0.07 ms per thread and
-    barrier, so fewer threads with more work each keep the tests fast.)
+    simulator starts a Python thread for every CUDA thread and makes them all
+    meet at every barrier, so fewer threads with more work each keep the tests
+    fast.)
     """
     simulated = simulating() if simulated is None else simulated
     depth = next((d for d in (4, 8, 16) if c_in <= d), 32)

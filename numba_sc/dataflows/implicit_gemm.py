@@ -72,22 +72,23 @@ masks leave; :func:`plan_work` counts it), ``s`` splits:
   once per block; the output is written once (``4 n_out C_out``; ``(2s - 1)``
   times with splits). Gather-GEMM-scatter adds its buffers, ``8 n (C_in +
   C_out)`` bytes. SemanticKITTI at 0.05 m (94,444 voxels, ~190k pairs outside
-  the centre in a 3x3x3 layer) at 64 channels: 195 MB of buffers, ~58 us at the
-  H100's ~3.35 TB/s, against ~49 MB of neighbour rows (the 24 MB of features
-  fit the 50 MB L2) and a 24 MB output here.
+  the centre in a 3x3x3 layer) at 64 channels: 195 MB of buffers, which take
+  ~58 us at the H100's ~3.35 TB/s (typed: napkin math), against ~49 MB of
+  neighbour rows (the 24 MB of features fit the 50 MB L2) and a 24 MB output
+  here.
 * arithmetic: ``2 r n C_in C_out`` flops, 1.56 GFLOP for ``r = 1`` in that
   example. **Numba-CUDA has no wmma/mma intrinsics, so v1-v3 run on the CUDA
   cores (FP32 FMA), for fp16 data too** (fp16 values are widened as they are
-  loaded, sums are float32). At the H100 SXM's ~60 TFLOP/s of dense FP32 that
-  is ~26 us at perfect efficiency, times ``r``; the fp16 tensor cores (~990
-  TFLOP/s dense) would do it in ~1.6 us. So in fp32, where cuBLAS's SGEMM runs
-  on the same CUDA cores, the implicit GEMM trades the buffers' traffic for
-  ``r`` times the arithmetic. In fp16, gather-GEMM-scatter runs its GEMM on the
-  tensor cores and moves half the bytes (``4 n (C_in + C_out)``); v4 puts the
-  implicit GEMM's tile on the tensor cores too, through a few lines of CUDA C++
-  linked into the Python kernel (:mod:`numba_sc.dataflows.tensor_cores`), so
-  that what is left is the gathers, as in gather-GEMM-scatter without its
-  buffers.
+  loaded, sums are float32). At perfect efficiency, times ``r``, that is
+  ~26 us at the H100 SXM's ~60 TFLOP/s of dense FP32 (typed: napkin math); its
+  fp16 tensor cores (~990 TFLOP/s dense) would take ~1.6 us (typed: napkin math).
+  So in fp32, where cuBLAS's SGEMM runs on the same CUDA cores, the implicit
+  GEMM trades the buffers' traffic for ``r`` times the arithmetic. In fp16,
+  gather-GEMM-scatter runs its GEMM on the tensor cores and moves half the
+  bytes (``4 n (C_in + C_out)``); v4 puts the implicit GEMM's tile on the
+  tensor cores too, through a few lines of CUDA C++ linked into the Python
+  kernel (:mod:`numba_sc.dataflows.tensor_cores`), so that what is left is the
+  gathers, as in gather-GEMM-scatter without its buffers.
 * the register tile: for each input channel a thread reads ``THREAD_M +
   THREAD_N`` values from shared memory and does ``THREAD_M x THREAD_N`` FMAs.
   An SM serves about one warp-wide shared-memory access (a *wavefront*, 128
@@ -100,7 +101,9 @@ masks leave; :func:`plan_work` counts it), ``s`` splits:
   loads and the barriers around them, which the vector loads and the unrolled
   channel steps cut.
 
-The ladder, one idea a rung (all checked against :func:`implicit_gemm_reference`):
+The ladder, one idea a rung (all checked against :func:`implicit_gemm_reference`;
+``python -m numba_sc ladder implicit_gemm`` times them, recorded in
+``benchmarks/results/ladder_implicit_gemm.json``):
 
     v1  one thread per (output, output channel): every offset, every input
           channel, straight from global memory; the definition, no masks
@@ -108,10 +111,12 @@ The ladder, one idea a rung (all checked against :func:`implicit_gemm_reference`
           ``TILE_K x TILE_N`` piece of ``W[k]``, reused by the whole block
     v3  + the sorted bitmask order and tile-mask skips (splits are separate
           launches), and a register tile of ``THREAD_M x THREAD_N`` outputs per
-          thread read with vector loads (the library's in fp32). What it bought:
-          on the dense cloud (1M random voxels at stride 4), 32 -> 32 fp32 with
-          the map given, the whole layer in 0.72x gather-GEMM-scatter's
-          wall-clock time (H100, 2026-11-24)
+          thread read with vector loads (the library's in fp32). What it bought
+          beyond the ladder: on the dense cloud (1M random voxels at stride 4),
+          fp32 at 32 and 64 channels, the whole layer in less wall-clock time
+          than gather-GEMM-scatter's (the ``dense`` rows of
+          ``benchmarks/results/alternatives.json``; ``docs/performance.md``,
+          "dataflows/implicit_gemm.py")
     v4  + the tile's multiply-accumulate on the tensor cores: each warp calls a
           CUDA C++ ``mma.m16n8k16`` on fp16 shared-memory tiles (``mma.cu``),
           everything else v3's; GPU only (the simulator cannot run linked C++)

@@ -11,10 +11,12 @@ interleaved (each round times every candidate once) and each candidate keeps
 its median, so that a passing slowdown of a shared GPU cannot crown a bad tile
 (:func:`search_tiles`).
 
-Worked example, a layer with C_in = 4 and C_out = 6 on one sample cloud::
+Worked example, a layer with C_in = 4 and C_out = 6 on one sample cloud, each
+candidate's median time in microseconds (times made up for the example, not
+measured)::
 
-    gather  T = 1, 2, 4         -> 31 us, 22 us, 25 us   -> T_gather  = 2
-    scatter T = 1, 2, 3, 6      -> 40 us, 28 us, 27 us, 35 us -> T_scatter = 3
+    gather  T = 1, 2, 4         -> 31, 22, 25       -> T_gather  = 2
+    scatter T = 1, 2, 3, 6      -> 40, 28, 27, 35   -> T_scatter = 3
 
 Cost: ``d(C_in) + d(C_out)`` timed launches per round (``d`` = number of
 divisors; 9 + 9 for 256 channels), once per layer before inference.

@@ -48,8 +48,9 @@ Bytes moved per layer, fp32, ``n`` pairs outside the centre: the gather writes
 ``4 n C_in``, the GEMMs read it and write ``4 n C_out`` (plus padding), the
 scatter reads that back: roughly ``8 n (C_in + C_out)`` bytes, against
 ``4 (|P| C_in + |Q| C_out)`` for the features themselves. On SemanticKITTI at
-0.05 m (94,444 voxels, n = 190k in a 3x3x3 layer) that is 4x the feature
-traffic: the buffers, not the flops, decide the speed at small channel counts.
+0.05 m (94,444 voxels, n = 190k in a 3x3x3 layer) that is four times the
+feature traffic: the buffers, not the flops, decide the speed at small channel
+counts.
 """
 from __future__ import annotations
 
@@ -175,10 +176,12 @@ def layer_plan(km, sort, max_padding, solo_rows, launch_rows, priced_rows, backe
     A plan depends on the map and the grouping policy only (not on features,
     weights or channels), so layers that share a map (``kernel_map=``) share its
     plan, as spconv's layers that share an ``indice_key`` share their pairs: the
-    second and later ones skip the metadata kernels (~50 us on SemanticKITTI,
-    ~150 us on 1M voxels). The transposed layer that inverts a strided layer
-    reads that layer's plan backwards (:meth:`numba_sc.gmas.metadata.GmasPlan.transposed`),
-    so it builds nothing at all.
+    second and later ones skip the metadata kernels (their GPU time on
+    SemanticKITTI: ``python -m numba_sc ladder metadata``, recorded in
+    ``benchmarks/results/ladder_all_kitti.json``). The transposed layer that
+    inverts a strided layer reads that layer's plan backwards
+    (:meth:`numba_sc.gmas.metadata.GmasPlan.transposed`), so it builds nothing at
+    all.
 
     ``launch_rows`` is the argument: None (price a launch by the channels,
     ``priced_rows``) accepts a kept plan priced by another layer's channels,
@@ -433,7 +436,7 @@ def convolve(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False, k
             init = queued[0][1]
         elif centre >= 0:
             # A given map: queued now, before the metadata, which keeps the GPU busy
-            # while the host works out the buffer layout (~80 us of Python).
+            # while the host works out the buffer layout in Python.
             init = gg.centre_product_cuda(f, w, centre)
     strided = tuple(km.stride) != (1, 1, 1)
     flow = _pick_dataflow(dataflow, layer, f, w, km, transposed, keep_buffer is not None, kernel_map is not None,

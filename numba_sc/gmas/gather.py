@@ -51,21 +51,24 @@ channels is two 64-bit loads and two stores per row instead of eight of each).
 The threads, and what each one covers, stay the same; only the instruction
 count changes (:mod:`numba_sc.core.words`).
 
-The ladder, one idea a rung (``python -m numba_sc ladder gather`` times them),
-each with what it bought on SemanticKITTI at 0.05 m (94,444 voxels, a 3x3x3
-layer), 64 channels, the library's tile (H100, 2026-11-24):
+The ladder, one idea a rung. ``python -m numba_sc ladder gather`` checks and
+times them; what each bought on SemanticKITTI at 0.05 m (94,444 voxels, a 3x3x3
+layer), 64 channels, the library's tile, is recorded in
+``benchmarks/results/ladder_all_kitti.json``
+(``numba_sc.tools.lesson.bought("gather")`` prints it, with the device and date):
 
     v1  Algorithm 1: each thread walks its point's row of the dense input table
           (:func:`gather_v1`)
     v2  + the per-point lists: a mask and the rows that exist, not K entries
-          (:func:`gather_v2`); fp32 170 -> 159 us
+          (:func:`gather_v2`)
     v3  + the tile size and tiles per row compiled in, the tile in registers,
-          unsigned index arithmetic (:func:`gather_v3`); fp32 159 -> 81 us
+          unsigned index arithmetic (:func:`gather_v3`)
     v4  + whole 8- or 4-byte words instead of channels (:func:`gather_v4`:
-          v3 given a word type; the library's); fp16 159 -> 43 us
+          v3 given a word type; the library's)
 
-On this sparse scan the lists save little (v2); in fp16 the compiled sizes save
-little too, because a thread still moves 16 channels one by one, until v4 moves
+On this sparse scan the lists save little (v2). In fp32 the compiled sizes and
+the tile in registers are the rung that pays most (v3); in fp16 they save
+little, because a thread still moves 16 channels one by one, until v4 moves
 them as words. The launchers: :func:`gather_cuda` (the library's),
 :func:`gather_rung` (any rung), :func:`gather` (reference or device). Fuller
 figures: ``docs/performance.md``, "gmas/gather.py".
@@ -217,7 +220,8 @@ def gather_v3(tile: int, tiles: int, word=None):
                 # order: the threads of a warp, on neighbouring points, mostly reach
                 # the same offset at the same step and write neighbouring rows (an
                 # offset's rows follow the points' order). In a run-dependent order
-                # the same gather took 77 us instead of 46 on SemanticKITTI.
+                # the same gather ran markedly slower on SemanticKITTI (measured on
+                # the H100 when this order was chosen).
                 for s in range(uint64(n)):
                     row = uint64(in_slots[s, p])
                     for c in range(per_thread):

@@ -35,19 +35,20 @@ outside the centre with 1,881 to 21,662 pairs each) the default policy gives 4
 batched GEMMs with 5.9 % padding in sorted order, against 17 in map order.
 
 **A launch has a price too** (``launch_rows``). On a small cloud the GPU
-finishes each kernel faster than the host issues the next one: there a batched
-GEMM costs ~12 us of host time to launch (``LAUNCH_US``, cuBLAS's own share),
-while the GPU would multiply thousands of padding rows in that time.
+finishes each kernel faster than the host issues the next one: there, in the
+host time one batched GEMM's launch costs (``LAUNCH_US``, cuBLAS's own share,
+measured: ``docs/performance.md``, "gmas/gemm_grouping.py"), the GPU would
+multiply thousands of padding rows.
 So the policy also extends a group when the padding the extension adds is at
 most ``launch_rows`` rows, the rows the GPU moves in the time one launch costs
-the host (:func:`launch_rows`: bytes per row at ~2.5 TB/s, or flops per row
-when those take longer). Each such extension saves one launch. ``launch_rows=0``
-is the plain padding policy above (the default of the functions here and of
-:func:`numba_sc.gmas.metadata.build_plan`); :func:`numba_sc.sparse_conv3d` prices
-launches by its channels unless told otherwise. On the scan above, 64 -> 64
-channels in fp16 (``launch_rows`` ~117k) gives 2 GEMMs, 18 offsets of 3,239 rows
-and 8 of 21,662; 4 -> 16 in fp32 (~375k) gives 1; 256 -> 256 in fp32 (~4.6k)
-keeps the 4 (what each saved: ``docs/performance.md``, "gmas/gemm_grouping.py").
+the host (:func:`launch_rows`: bytes per row at ``BYTES_PER_US``, or flops per
+row at ``FLOPS_PER_US`` when those take longer). Each such extension saves one
+launch. ``launch_rows=0`` is the plain padding policy above (the default of the
+functions here and of :func:`numba_sc.gmas.metadata.build_plan`);
+:func:`numba_sc.sparse_conv3d` prices launches by its channels unless told
+otherwise. On the scan above, 64 -> 64 channels in fp16 (``launch_rows`` ~117k)
+gives 2 GEMMs, 18 offsets of 3,239 rows and 8 of 21,662; 4 -> 16 in fp32
+(~375k) gives 1; 256 -> 256 in fp32 (~4.6k) keeps the 4 (what each saved: ``docs/performance.md``, "gmas/gemm_grouping.py").
 
 Every group is one batched GEMM, ``(G, rows, C_in) @ (G, C_in, C_out)``: cuBLAS
 (called directly, :func:`grouped_gemm_cuda`) on the GPU, ``np.matmul`` under the
@@ -74,14 +75,18 @@ DEFAULT_MAX_PADDING = 0.25  # a group may add at most 25 % zero rows to its real
 DEFAULT_SOLO_ROWS = 1 << 17  # an offset with this many pairs runs as its own GEMM
 STREAM_POOL = 4  # Minuet's pool size (Section 5.2.2)
 
-# What launch_rows weighs (NVIDIA H100, benchmarks/README.md "session 7"): the host
-# time of one batched cuBLAS GEMM issued by grouped_gemm_cuda (12.7 us for the bare
-# call, benchmarks/results/archive/probe_host_costs_h100_2026-11-22.json), and what the GPU does
-# meanwhile with padding rows: buffer bytes (memory bound, small channel counts) or
-# flops (large ones; fp32 without TF32, fp16 on tensor cores with fp32 sums).
+# What launch_rows weighs (NVIDIA H100; the old benchmarks/README.md's session 7,
+# `git show 5cd0a3e:benchmarks/README.md`): the host time of one batched cuBLAS GEMM
+# issued by grouped_gemm_cuda (LAUNCH_US: the bare call's is `direct_cublas_batched_host`
+# in benchmarks/results/archive/probe_host_costs_h100_2026-11-22.json, quoted in
+# docs/performance.md, "gmas/gemm_grouping.py"), and what the GPU does meanwhile with
+# padding rows: buffer bytes (memory bound, small channel counts) or flops (large ones;
+# fp32 without TF32, fp16 on tensor cores with fp32 sums), at rates estimated below.
 LAUNCH_US = 12.0
-BYTES_PER_US = 2.5e6  # ~2.5 TB/s
-FLOPS_PER_US = {4: 5.0e7, 2: 2.0e8}  # itemsize -> ~50 TFLOP/s fp32, ~200 fp16 (skinny GEMMs)
+# The two rates are estimates, not measurements: sustained memory bandwidth, and
+# what cuBLAS reaches on skinny GEMMs (fp32 on CUDA cores, fp16 on tensor cores).
+BYTES_PER_US = 2.5e6  # ~2.5 TB/s  # typed: napkin math
+FLOPS_PER_US = {4: 5.0e7, 2: 2.0e8}  # itemsize -> ~50 TFLOP/s fp32, ~200 fp16  # typed: napkin math
 
 
 def launch_rows(c_in: int, c_out: int, itemsize: int) -> int:
@@ -217,8 +222,8 @@ def grouped_gemm_reference(in_buf, weight, groups, out_buf):
 # Everything below runs once or more per layer, between kernels the GPU finishes
 # faster than the host issues them (SemanticKITTI at 0.05 m): each microsecond of
 # Python here is a microsecond of layer time, so the modules are imported once
-# (an ``import`` statement inside a function costs ~1 us per call) and the pool's
-# streams and events are made once.
+# (an ``import`` statement inside a function looks the module up and binds its
+# name again at every call) and the pool's streams and events are made once.
 _GPU = []  # [cupy, CuPy's cuBLAS module], filled on first use
 
 
@@ -258,11 +263,13 @@ def _stream_pool(cupy):
 
 
 # cuBLAS is called directly rather than through ``cupy.matmul``: on the H100 a
-# batched ``cupy.matmul`` costs 28 us of host time against 13 us for the bare
-# cuBLAS call (benchmarks/results/archive/probe_host_costs_*.json), and a layer makes
-# several. Row-major ``C = A @ W`` is, read column-major, ``C^T = W^T A^T``: so
-# cuBLAS is asked for ``m = C_out, n = rows, k = C_in`` with W as its first
-# operand, and no transposition is ever materialized.
+# batched ``cupy.matmul`` costs about twice the host time of the bare cuBLAS call
+# (`cupy_matmul_batched_host` against `direct_cublas_batched_host` in
+# benchmarks/results/archive/probe_host_costs_h100_2026-11-22.json; docs/performance.md,
+# "Calling cuBLAS directly"), and a layer makes several. Row-major ``C = A @ W``
+# is, read column-major, ``C^T = W^T A^T``: so cuBLAS is asked for ``m = C_out,
+# n = rows, k = C_in`` with W as its first operand, and no transposition is ever
+# materialized.
 _CUDA_TYPE = {np.dtype(np.float32): 0, np.dtype(np.float16): 2}  # CUDA_R_32F, CUDA_R_16F
 _COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F: fp32 accumulation for both dtypes (no TF32)
 _GEMM_DEFAULT = -1  # CUBLAS_GEMM_DEFAULT

@@ -119,8 +119,9 @@ Layout of this module:
     K x |Q| entries, then dense tables;
   - v2 :func:`metadata_v2` / :func:`build_plan_cuda`: chunk counts from the
     forward search, a block scan, packed lists; compiled per K and block size.
-    What it bought: 228 -> 79 us on the SemanticKITTI scan, one 3x3x3 layer,
-    fp32 (H100, 2026-11-24);
+    What it bought on the SemanticKITTI scan, one 3x3x3 layer, is recorded in
+    ``benchmarks/results/ladder_all_kitti.json``
+    (``numba_sc.tools.lesson.bought("metadata")``);
 
 * the launcher: :func:`build_plan` (the reference or the device version, by backend).
 
@@ -317,8 +318,8 @@ class GmasPlan:
     @property
     def report(self) -> dict:
         """:func:`numba_sc.gmas.gemm_grouping.padding_report` of this layer (sorted vs map
-        order). Made on first use: it groups the offsets twice more, ~0.2 ms of
-        Python that a layer in a network does not need."""
+        order). Made on first use: it groups the offsets twice more, Python work
+        on the host that a layer in a network does not need."""
         if self._report is None:
             self._report = gg.padding_report(self.counts, self.centre, *self.policy)
         return self._report
@@ -365,7 +366,7 @@ def centre_offset(kernel_map) -> int:
 def _zero_offset(shape, dtype: str, raw: bytes) -> int:
     """Index of the row (0, 0, 0) of the offsets of ``shape`` and ``dtype`` whose bytes
     are ``raw``, or -1; remembered per content (a layer asks the same every call,
-    and the NumPy test costs ~4 us)."""
+    and the NumPy test costs several times the host time of the cache's look-up)."""
     rows = np.flatnonzero((np.frombuffer(raw, dtype=dtype).reshape(shape) == 0).all(axis=1))
     return int(rows[0]) if len(rows) else -1
 
@@ -411,7 +412,8 @@ def _device_layout(base):
 
     On a GPU the pair is kept per distinct ``base`` (K numbers; kernels only read
     it): the layers of a network that share a kernel map share it too, and a
-    pinned copy costs ~15-20 us of host time where a dictionary look-up costs 1.
+    pinned copy costs far more host time than a dictionary look-up (measured:
+    ``docs/performance.md``, "Caches: work done once per layer, not per call").
     """
     K = len(base)
     values = base.tolist()
@@ -687,8 +689,9 @@ def metadata_v2(K: int, threads: int):
     counts one by one: in the serial loop one lane of the warp works while the
     others wait.
 
-    v2 of this stage's ladder (v1: :func:`metadata_v1`). What it bought: 228 -> 79 us
-    on the SemanticKITTI scan, one 3x3x3 layer, fp32 (H100, 2026-11-24).
+    v2 of this stage's ladder (v1: :func:`metadata_v1`). What it bought on the
+    SemanticKITTI scan, one 3x3x3 layer: ``python -m numba_sc ladder metadata``,
+    recorded in ``benchmarks/results/ladder_all_kitti.json``.
     """
     k_count, items = np.uint64(K), np.uint64(ITEMS_PER_THREAD)
     step, chunk = np.uint64(threads), np.uint64(threads * ITEMS_PER_THREAD)
@@ -770,7 +773,7 @@ def masks_cuda(table, n_in):
 
 def buffered_bits(base) -> list:
     """ceil(K / MASK_BITS) ints: bit k % 32 of word k // 32 set when offset k is in the
-    buffers (``base[k] >= 0``). A Python loop over K numbers: ~2 us, less than
+    buffers (``base[k] >= 0``). A Python loop over K numbers: less host time than
     the NumPy calls it would take."""
     bits = [0] * mask_words(len(base))
     for k in np.flatnonzero(np.asarray(base) >= 0).tolist():

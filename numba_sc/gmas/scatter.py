@@ -29,18 +29,20 @@ words and channels are within a few percent; the gain is that bigger tiles now
 pay: channel by channel a tile of 32 channels is much slower than a tile of 8,
 as words it is the fastest on 1M voxels.
 
-The ladder, one idea a rung (``python -m numba_sc ladder scatter`` times them),
-each with what it bought on SemanticKITTI at 0.05 m, 64 channels (H100,
-2026-11-24):
+The ladder, one idea a rung. ``python -m numba_sc ladder scatter`` checks and
+times them; what each bought on SemanticKITTI at 0.05 m, 64 channels, is recorded
+in ``benchmarks/results/ladder_all_kitti.json``
+(``numba_sc.tools.lesson.bought("scatter")`` prints it, with the device and date):
 
     v1  each thread walks its output's row of the dense output table, a channel
           at a time (:func:`scatter_v1`)
     v2  + the per-point lists: a mask and the rows that exist
-          (:func:`scatter_v2`); fp32 276 -> 132 us
+          (:func:`scatter_v2`)
     v3  + sizes compiled in, the tile's sums in registers, unsigned indices
-          (:func:`scatter_v3`); fp32 132 -> 91 us
+          (:func:`scatter_v3`)
     v4  + whole words, unpacked into channels to be added (:func:`scatter_v4`:
-          v3 given a word type; the library's); fp16 90 -> 70 us
+          v3 given a word type; the library's); it pays in fp16, where a word
+          holds more channels, and breaks even in fp32
 
 v1 reads its output's table row once per channel, which the tile's registers of
 v3 and the lists of v2 each remove. The launchers: :func:`scatter_cuda` (the

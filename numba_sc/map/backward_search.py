@@ -49,9 +49,12 @@ The module: the NumPy references (:func:`backward_search_reference`,
     v2  one kernel, no device read (:func:`backward_search_v2`, the library's,
           launched by :func:`backward_search_cuda`): each block's start comes
           from its left neighbour through shared memory, rows placed by atomic
-          reservations. What it bought: SemanticKITTI at 0.05 m (27 segments,
-          B = 512, C = 1024), 510 -> 88 us (H100, 2026-11-24; v1's time includes
-          the GPU idling through its read)
+          reservations. What it bought on SemanticKITTI at 0.05 m (27 segments,
+          B = 512, C = 1024) is recorded in
+          ``benchmarks/results/ladder_all_kitti.json``
+          (``numba_sc.tools.lesson.bought("backward_search")``): a large step,
+          because v1's time includes the GPU idling while the host reads the
+          total and launches the second kernel
 """
 from __future__ import annotations
 

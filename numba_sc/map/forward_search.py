@@ -39,20 +39,27 @@ bound ``K * nblocks + ceil(K * |Q| / C)`` of thread blocks and each block first
 compares its index with the device count: surplus blocks return at once, which
 costs the GPU a few nanoseconds each.
 
-The ladder, one idea a rung (``python -m numba_sc ladder forward_search`` times them),
-each with what it bought on SemanticKITTI at 0.05 m (3x3x3, B = 512, C = 1024;
-H100, 2026-11-24)::
+The ladder, one idea a rung. ``python -m numba_sc ladder forward_search`` checks
+and times them on SemanticKITTI at 0.05 m (3x3x3, B = 512, C = 1024), each with
+what the metadata stage then needs of the map (three more passes over the table
+for v1-v3, none for v4); the recorded run is
+``benchmarks/results/ladder_all_kitti.json``
+(``numba_sc.tools.lesson.bought("forward_search")`` prints it)::
 
     v1  the paper's kernel: shared-memory block, a lo/hi binary search per query
           (:func:`forward_search_v1`)
     v2  + branch-free search: exactly log2(B) halvings over a padded block
-          (:func:`forward_search_v2`); the search alone 87 -> 65 us
+          (:func:`forward_search_v2`)
     v3  + a symmetric kernel searched halfway, each hit written twice
-          (:func:`forward_search_v3`); the search alone 65 -> 57 us
+          (:func:`forward_search_v3`)
     v4  + the counts and masks the metadata needs, found where the pairs are;
           sizes compiled in, unsigned indices (:func:`forward_search_v4`,
-          the library's); with what the metadata stage then needs of the map
-          (three more passes over the table for v1-v3, none for v4) 205 -> 120 us
+          the library's)
+
+v2 and v3 make the search itself cheaper, a saving the three passes after it
+mostly hide on this scan (the search alone, timed when they came in, is in
+``docs/performance.md``); v4, which makes the passes unnecessary, is the rung
+that shortens the stage.
 
 The module holds the NumPy reference (:func:`forward_search_reference`,
 :func:`mirror_reference`), the rungs in ladder order, and the launcher
@@ -268,7 +275,7 @@ def forward_search_v3(B: int):
 #
 # Pairs per (offset, chunk) are tallied in shared memory first: a global atomic per
 # pair, all of a block's pairs on one or two addresses, made the forward search
-# twice as slow on the H100 (1M points: 0.47 -> 0.90 ms). A block's queries span at
+# about twice as slow on the H100 (1M points). A block's queries span at
 # most C + chunk outputs and its mirrored pairs at most B + chunk, so a few slots
 # per table row hold nearly all of them; the rare pair past them goes straight to
 # global memory.
@@ -364,7 +371,8 @@ def forward_search_v4(B: int, with_masks: bool = False, threads: int = FORWARD_T
             # found so far: at each step, if the last key of the next ``half`` is < q,
             # that whole half is < q too. Same answer as the lo/hi loop of the
             # reference; on the H100 the loop version kept the SMs busy with index
-            # arithmetic (85 % issue-bound at 304 us on 1M points).
+            # arithmetic (Nsight Compute on 1M points: docs/performance.md,
+            # "map/forward_search.py").
             lo = uint64(0)
             for e in range(steps):
                 half = size >> uint64(e + 1)

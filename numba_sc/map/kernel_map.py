@@ -148,7 +148,8 @@ class KernelMap:
     # The orders are the identity whenever the coordinates came in sorted, which is
     # always the case inside a network (every stage hands out sorted coordinates).
     # The kernel path then stores None and makes the arange only if someone reads
-    # it: a library arange costs a launch, ~20-40 us of host time per layer.
+    # it: a library arange costs a launch and its host time, every layer
+    # (docs/performance.md, "Orders that are the identity").
     in_order = _lazy_identity("_in_order", "in_coords",
                               "int64 (|P|,): ``in_coords == caller_in_coords[in_order]``.")
     out_order = _lazy_identity("_out_order", "out_coords",
@@ -214,7 +215,9 @@ def layer_arguments(kernel_size, stride, dilation, tensor_stride):
 
     Remembered per argument tuple when the arguments are plain ints or tuples of
     ints (as they are in a network): every call of a layer asks the same, and the
-    four checks cost ~10 us of host time in a Map step of ~0.2 ms. Anything else
+    four checks are a noticeable share of the Map step's host time (measured:
+    ``docs/performance.md``, "Caches: work done once per layer, not per call";
+    the Map step's time: ``benchmarks/README.md``, "The Map step"). Anything else
     (NumPy numbers, arrays, bools, floats) is checked afresh every call.
     """
     args = (kernel_size, stride, dilation, tensor_stride)
@@ -425,7 +428,7 @@ def _search_plan(ks, dil, ts, submanifold, symmetric):
 
     Cached because every call of a layer asks the same questions, and on a small
     cloud the host's few microseconds per question add up (the whole Map step of
-    a 94k-voxel scan is ~0.2 ms).
+    a 94k-voxel scan: ``benchmarks/README.md``, "The Map step").
     """
     offsets, _ = _sorted_offsets(ks, dil, ts)
     h = searched_segments(offsets, submanifold, symmetric)
@@ -435,9 +438,11 @@ def _search_plan(ks, dil, ts, submanifold, symmetric):
 class _Work:
     """Everything small the kernel path needs, cut from one zeroed device allocation.
 
-    One allocation and one memset instead of a dozen arrays (each allocation,
-    fill or slice costs ~3-5 us of host time on the GPU machine; the whole Map
-    step of a 94k-voxel scan is ~0.2 ms). Layout, in int64 words::
+    One allocation and one memset instead of a dozen arrays: each allocation,
+    fill or slice costs a few microseconds of host time on the GPU machine, and a
+    dozen of them are a visible share of a Map step on a scan (measured:
+    ``docs/performance.md``, "Memory without host round trips"). Layout, in int64
+    words::
 
         report        REPORT_ROWS + 1 + K   the flags, the row count, pairs per offset
         chunk_counts  K * n_chunks int32     pairs per offset and chunk of outputs
@@ -602,10 +607,11 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
         qkeys = work.keys_out
         cv.launch_pack(out_sorted, *query_reach, qkeys, work.flags_out)
     table, found = _find_pairs(method, skeys, qkeys, in_sorted, d_deltas, K, B, C, work)
-    # The read below waits for the forward search (~30 us of GPU time on a 94k-voxel
-    # scan): the host makes the map meanwhile, everything that needs no report,
-    # and queues the caller's work that needs no report either (after the copy,
-    # so that the read does not wait for it).
+    # The read below waits for the forward search (its GPU time on a 94k-voxel scan:
+    # `python -m numba_sc ladder forward_search`): the host makes the map
+    # meanwhile, everything that needs no report, and queues the caller's work
+    # that needs no report either (after the copy, so that the read does not wait
+    # for it).
     m = _finish_cuda(in_sorted, out_sorted, None, offsets, table, work, ks, st, dil, ts, None)
     finish_read = read_later(work.report_read)
     if while_reading is not None and assume_sorted:

@@ -42,7 +42,7 @@ slots on average (hits) and a bit more for misses, scattered: ~2M random 8-byte
 reads served from L2. The sorted search reads the same keys as coalesced
 blocks through shared memory; the grid reads one int32 per lookup, but its
 array spans the whole bounding box, and filling it with -1 costs a memset of 4
-bytes per cell: 24M cells (96 MB, ~40 us) for a ScanNet room at 2 cm, 1e9
+bytes per cell: 24M cells (96 MB to clear) for a ScanNet room at 2 cm, 1e9
 cells (4 GB) for a SemanticKITTI scan at 5 cm, where the grid does not fit.
 """
 from __future__ import annotations

@@ -108,7 +108,9 @@ def permute_kernel(keys, order, coords, skeys, scoords, dups):
     one (a repeated coordinate), so the caller can refuse the input later
     without a separate reduction. The atomic is only reached on bad input.
     One kernel instead of three library gathers (``keys[order]``,
-    ``coords[order]``, the comparison): each of those costs ~40 us of host time.
+    ``coords[order]``, the comparison): each of those is a launch of its own,
+    with the host time a library call costs (``take_94k_host`` in
+    ``benchmarks/results/archive/probe_host_costs_h100_2026-11-22.json``).
     """
     i = cuda.grid(1)
     if i < order.shape[0]:

@@ -37,10 +37,11 @@ written), as cuDNN's BatchNorm does for half precision.
 
 Napkin math: these kernels only move bytes. BatchNorm with a residual on a
 SemanticKITTI level (94k voxels, 64 channels, fp32) reads 2 x 24 MB and writes
-24 MB: ~25 us at the H100's ~3 TB/s, about what two launches cost the host
-(~10-14 us each), which is why fusing BatchNorm, the add and the ReLU into one
-launch is worth doing and fusing further is not (the convolution around them
-moves 10x more).
+24 MB: ~25 us at the H100's ~3 TB/s (typed: napkin math), about what two
+launches cost the host (measured: ``docs/performance.md``, "The launch path"),
+which is why fusing BatchNorm, the add and the ReLU into one launch is worth
+doing and fusing further is not (the convolution around them moves an order of
+magnitude more bytes).
 
 Training-mode BatchNorm (statistics of the batch itself, and the running
 averages updated with ``momentum``) takes the per-channel mean and variance
@@ -153,13 +154,15 @@ def batch_norm_v2(channels: int):
       approximate instructions (within 2 ulp), not the IEEE routines.
 
     Why it pays: a half-precision value is 2 bytes read and 2 written, so at
-    the H100's ~3 TB/s the per-value arithmetic, not the memory, sets v1's time
-    on large clouds.
+    the H100's memory bandwidth the per-value arithmetic, not the memory, sets
+    v1's time on large clouds.
 
     v2 of BatchNorm's ladder (``python -m numba_sc ladder pointwise``; v1:
-    :func:`batch_norm_v1`). What it bought: one call on SemanticKITTI at 64
-    channels, with the residual and ReLU, 65 -> 48 us fp32 (H100, 2026-11-24;
-    more in ``docs/performance.md``, "nn/pointwise.py").
+    :func:`batch_norm_v1`). What it bought on one call on SemanticKITTI at 64
+    channels, with the residual and ReLU, is recorded in
+    ``benchmarks/results/ladder_all_kitti.json``
+    (``numba_sc.tools.lesson.bought("pointwise")``; more in
+    ``docs/performance.md``, "nn/pointwise.py").
     """
     C = np.uint64(channels)
 
@@ -273,8 +276,8 @@ def column_sums(a):
     """float32 (C,): the sum of each column of ``a`` (N, C), as one matrix-vector product
     (``ones(N) @ a``, cuBLAS on the device). The array library's ``a.sum(axis=0)``
     gives each of the few columns one thread block that walks all N rows, with
-    C apart between its reads: on the H100, 94,444 x 64 float32, 1.07 ms against
-    0.10 ms for the product (median of 20)."""
+    C apart between its reads: on the H100, at 94,444 x 64 float32, it took about
+    ten times as long as the product (measured when this function came in)."""
     af = a if a.dtype == np.float32 else a.astype(np.float32)
     xp = device_xp() if not isinstance(af, np.ndarray) else np
     return xp.matmul(xp.ones(af.shape[0], np.float32), af)

@@ -110,7 +110,7 @@ def time_rungs(ladder, work, rounds=20, warmup=5):
     """Median GPU microseconds of each rung, interleaved rounds, after ``warmup`` calls
     of each (the first compiles; the rest let the library's caches and memory pool
     settle: with one warm-up call, the stages that call the array library read up to
-    2x slower in a fresh process, measured on the H100)."""
+    twice as slow in a fresh process, measured on the H100)."""
     rungs = list(ladder.names)
     for _ in range(warmup):
         for r in rungs:
