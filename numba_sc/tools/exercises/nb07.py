@@ -1,0 +1,86 @@
+"""Exercises of notebook 07, a small network end to end: the two layers that change levels.
+
+* 7.1 the map of a strided layer (kernel 2, stride 2) by hand: the coarse coordinates
+  ``floor(P / 2) * 2`` and, for each of the 8 offsets, the fine voxel each coarse voxel
+  reads. The wrong answer truncates where it should floor, the slip that moves every
+  voxel with a negative odd coordinate into the wrong coarse cell;
+* 7.2 the transposed layer, which builds no map: it reads a strided layer's map
+  backwards, ``fine[table[k, i]] += coarse[i] @ W[k]``. The wrong answer assigns where
+  it should add: right for a 2x2x2 kernel of stride 2 (every fine voxel has exactly one
+  pair, the toy of the notebook), wrong for a 3x3x3 one (up to 8 pairs a fine voxel).
+
+Both are checked on the voxels of a crop of the SemanticKITTI scan moved to the
+origin (:func:`numba_sc.tools.exercises.nb01.scan_crop`: coordinates of both signs)
+against the library's NumPy references.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import ExerciseFailed, exercise, expect_equal
+from .nb01 import crop_voxels
+
+
+# -- 7.1 ------------------------------------------------------------------------------
+
+def _strided_map_truncating(coords):
+    """Wrong: ``int(p / 2) * 2`` rounds towards zero, so -1 lands in cell 0, not -2."""
+    coords = np.asarray(coords)
+    out = np.unique((coords / 2).astype(np.int32) * 2, axis=0)
+    offsets = [(a, b, c) for a in (0, 1) for b in (0, 1) for c in (0, 1)]
+    row_of = {tuple(p): j for j, p in enumerate(coords.tolist())}
+    table = np.array([[row_of.get((q[0] + a, q[1] + b, q[2] + c), -1) for q in out.tolist()]
+                      for a, b, c in offsets], np.int32)
+    return out, table
+
+
+@exercise("7.1", "the map of a strided layer", answer="strided_map", wrong=_strided_map_truncating)
+def check_strided_map(strided_map):
+    """``strided_map(coords) -> (out_coords, table)`` for a 2x2x2 kernel of stride 2 on
+    the voxels of two crops, against :func:`numba_sc.build_kernel_map`'s reference."""
+    import numba_sc as ns
+
+    for seed in (3, 4):
+        coords = crop_voxels(300, seed=seed)
+        km = ns.build_kernel_map(coords, 2, stride=2, backend="reference")
+        got = strided_map(coords.copy())
+        if not isinstance(got, tuple) or len(got) != 2:
+            raise ExerciseFailed("strided_map must return a pair (out_coords, table)")
+        out, table = (np.asarray(a) for a in got)
+        expect_equal(out, km.out_coords, f"out_coords (crop {seed}: sorted unique floor(P / 2) * 2)")
+        expect_equal(table, km.table, f"table[k, i] (crop {seed}: the row of the input at out_coords[i] "
+                                      "+ offsets[k], or -1)")
+
+
+# -- 7.2 ------------------------------------------------------------------------------
+
+def _transposed_assigning(coarse, weight, table, n_fine):
+    """Wrong: each pair overwrites the fine row instead of adding to it."""
+    out = np.zeros((n_fine, weight.shape[2]), np.float64)
+    for k in range(table.shape[0]):
+        i = np.flatnonzero(table[k] >= 0)
+        out[table[k, i]] = coarse[i].astype(np.float64) @ weight[k]
+    return out
+
+
+@exercise("7.2", "the transposed layer reads the strided map backwards", answer="transposed_layer",
+          wrong=_transposed_assigning)
+def check_transposed_layer(transposed_layer):
+    """``transposed_layer(coarse, weight, table, n_fine)`` for the maps of a 2x2x2 and a
+    3x3x3 layer of stride 2 on a crop, against :func:`numba_sc.sparse_conv3d` with
+    ``transposed=True`` and that map (reference backend)."""
+    import numba_sc as ns
+
+    coords = crop_voxels(300, seed=5)
+    rng = np.random.default_rng(72)
+    fine = ns.SparseTensor(coords, rng.normal(size=(len(coords), 3)).astype(np.float32))
+    for kernel in (2, 3):
+        k3 = kernel ** 3
+        down = ns.sparse_conv3d(fine, rng.normal(size=(k3, 3, 4)).astype(np.float32), kernel, stride=2,
+                                backend="reference")
+        weight = rng.normal(size=(k3, 4, 2)).astype(np.float32)
+        up = ns.sparse_conv3d(down, weight, transposed=True, kernel_map=down.kernel_map, backend="reference")
+        got = transposed_layer(down.features.copy(), weight.copy(), np.asarray(down.kernel_map.table).copy(),
+                               len(coords))
+        expect_equal(np.asarray(got, np.float64), np.asarray(up.features, np.float64),
+                     f"fine[j, c] after the transposed {kernel}x{kernel}x{kernel} layer", atol=1e-4)
