@@ -1,8 +1,16 @@
-"""Tools for reading, checking and timing the engine.
+"""Tools for reading, checking and timing the engine, and for teaching it.
 
     ladder      each stage's kernels rung by rung (v1 plain ... the library's), checked and timed
     check       every stage's kernel against its NumPy reference; the first mismatch located
     trace       every intermediate of one convolution, named as in the paper
     demo        the whole pipeline on a scan, kernels beside references
     synthetic   a synthetic LiDAR scene (when no scan is at hand)
+
+For the lessons (the notebooks and the book):
+
+    lesson      a rung's code, the diff to the next rung, what it bought (recorded)
+    exercises   the notebooks' exercises: a checker each, against the stage's reference
+    results     one source for every number: the recorded results and the prose that quotes them
+    tables      markdown tables made from the result files
+    book        every notebook executed and rendered, with docs/, as an HTML book
 """

@@ -10,58 +10,11 @@ flip, where Eq. 2 is a correlation), and reading ``features[-1]`` for a missing 
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 import numpy as np
 
 from . import ExerciseFailed, exercise, expect_equal
-
-VOXEL = 0.05  # metres: SemanticKITTI's voxel size throughout the notebooks
-SCAN = "semantickitti_000000.bin"
-
-
-def _data_folder():
-    """Where the real scans are: $NUMBA_SC_DATA, else ``shared/data`` beside the checkout
-    (the place ``tests/conftest.py`` and the notebooks look); None when neither holds one."""
-    root = Path(__file__).resolve().parents[3]
-    for folder in (os.environ.get("NUMBA_SC_DATA"), root.parent / "shared" / "data"):
-        if folder and (Path(folder) / SCAN).is_file():
-            return Path(folder)
-    return None
-
-
-def scan_crop(n: int, seed: int = 0) -> np.ndarray:
-    """float32 (n, 4): the ``n`` points of a LiDAR scan nearest (Chebyshev distance) to a
-    point picked by ``seed``, moved so that this point is the origin, with the remission
-    (or intensity) as a fourth column.
-
-    Moving the crop to the origin gives coordinates of both signs, so an answer that
-    truncates where it should floor shows. The scan is SemanticKITTI's when the data
-    folder holds it, else the package's synthetic street scene (the same kind of data)."""
-    folder = _data_folder()
-    if folder is not None:
-        points = np.fromfile(folder / SCAN, np.float32).reshape(-1, 4)
-    else:
-        from ..synthetic import lidar_scene
-
-        xyz, intensity = lidar_scene(n_azimuth=400)
-        points = np.concatenate([xyz, intensity[:, None]], axis=1)
-    rng = np.random.default_rng(seed)
-    centre = points[rng.integers(len(points)), :3]
-    near = np.argsort(np.abs(points[:, :3] - centre).max(axis=1), kind="stable")[:n]
-    crop = points[near].copy()
-    crop[:, :3] -= centre
-    return crop
-
-
-def crop_voxels(n_points: int, seed: int = 0) -> np.ndarray:
-    """int32 (M, 3): the voxels (sorted, unique) of :func:`scan_crop` at :data:`VOXEL`."""
-    import numba_sc as ns
-
-    crop = scan_crop(n_points, seed)
-    return ns.voxelize(np.ascontiguousarray(crop[:, :3]), VOXEL, backend="reference").coords
-
+from .inputs import crop_voxels
 
 def _as_table(got, shape):
     got = np.asarray(got)

@@ -16,7 +16,7 @@ from ...coords.output_coords import output_coordinates_reference
 from ...coords.voxelization import atomic_reduce_v1, voxelize_reference
 from ...core.launch import launch
 from . import ExerciseFailed, exercise, expect_equal
-from .nb01 import VOXEL, crop_voxels, scan_crop
+from .inputs import VOXEL, crop_voxels, scan_crop
 
 
 # -- 2.1 ------------------------------------------------------------------------------

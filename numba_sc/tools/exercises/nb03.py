@@ -17,7 +17,7 @@ from ...core.launch import launch
 from ...map.kernel_map import build_kernel_map_reference
 from ...map.query_segments import query_segments_reference
 from . import ExerciseFailed, exercise, expect_equal
-from .nb01 import crop_voxels
+from .inputs import crop_voxels
 
 
 # -- 3.1 ------------------------------------------------------------------------------

@@ -11,27 +11,16 @@ blocks and its last one is short, as on the whole scan.
 """
 from __future__ import annotations
 
-import os
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 from numba import cuda, int64
 
 from . import ExerciseFailed, exercise, expect_equal
+from .inputs import centre_crop
 
-SCAN = "semantickitti_000000.bin"  # x, y, z, remission; float32
 EXERCISE_B = 32  # the source block of the exercises (4.3's kernel sizes its shared array by it)
 EXERCISE_C = 48  # the largest balanced block of 4.3's launch (a few dozen thread blocks)
-
-
-def data_folder() -> Path:
-    """The folder of the real scans: $NUMBA_SC_DATA, else ``shared/data`` beside this checkout."""
-    root = Path(__file__).resolve().parents[3]
-    for folder in (os.environ.get("NUMBA_SC_DATA"), root.parent / "shared" / "data"):
-        if folder and (Path(folder) / SCAN).is_file():
-            return Path(folder)
-    raise FileNotFoundError(f"the exercises read {SCAN}; set NUMBA_SC_DATA to the folder that holds it")
 
 
 @lru_cache(maxsize=None)
@@ -39,12 +28,7 @@ def kitti_crop(n_points: int = 170) -> np.ndarray:
     """The voxel coordinates (0.05 m, sorted) of the ``n_points`` points of the scan nearest
     its centre: a patch of ground (170 points give 105 voxels: four source blocks of
     B = 32, the last one of 9 keys)."""
-    from ...coords.voxelization import voxelize
-    from ..check import crop_points
-
-    points = np.fromfile(data_folder() / SCAN, np.float32).reshape(-1, 4)
-    patch = np.ascontiguousarray(points[crop_points(points, n_points), :3])
-    return voxelize(patch, 0.05, backend="reference").coords
+    return centre_crop(n_points)
 
 
 @lru_cache(maxsize=None)

@@ -15,16 +15,14 @@ simulator, and compares the answer with the library's reference.
 """
 from __future__ import annotations
 
-import os
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 from numba import cuda, float32
 
 from . import ExerciseFailed, exercise, expect_equal
+from .inputs import centre_crop
 
-SCAN = "semantickitti_000000.bin"
 CROP_POINTS = 200  # about 130 voxels at 5 cm: a few hundred threads a launch under the simulator
 
 
@@ -34,20 +32,7 @@ def crop_coords(n_points: int = CROP_POINTS):
     """Voxel coordinates (5 cm) of the ``n_points`` points around the middle of the
     SemanticKITTI scan ($NUMBA_SC_DATA, else ``shared/data`` beside the checkout),
     or of the synthetic street when the scan is not there."""
-    from ...coords.voxelization import voxelize
-    from ..check import crop_points
-
-    root = Path(__file__).resolve().parents[3]
-    folders = [os.environ.get("NUMBA_SC_DATA"), root.parent / "shared" / "data"]
-    scan = next((Path(d) / SCAN for d in folders if d and (Path(d) / SCAN).is_file()), None)
-    if scan is not None:
-        points = np.fromfile(scan, np.float32).reshape(-1, 4)[:, :3]
-    else:
-        from ..synthetic import lidar_scene
-
-        points = lidar_scene()[0]
-    crop = np.ascontiguousarray(points[crop_points(points, n_points)])
-    return voxelize(crop, 0.05, backend="reference").coords
+    return centre_crop(n_points)
 
 
 @lru_cache(maxsize=None)

@@ -14,7 +14,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import ExerciseFailed, exercise, expect_equal
-from .nb04 import data_folder
+from .inputs import data_folder
 
 TOY = [5, 2, 8, 6, 2, 7, 5, 8]  # notebook 06's eight offsets, in map order
 BUDGETS = (0.0, 0.05, 0.25, 1.0)  # max_padding values every grouping answer is checked with
@@ -39,7 +39,7 @@ def real_layers() -> tuple:
     found = []
     for name, fname, cols, size in (("SemanticKITTI", "semantickitti_000000.bin", 4, 0.05),
                                     ("SUN RGB-D", "sunrgbd_000017.bin", 6, 0.02)):
-        points = np.fromfile(data_folder() / fname, np.float32).reshape(-1, cols)
+        points = np.fromfile(data_folder(required=True) / fname, np.float32).reshape(-1, cols)
         patch = np.ascontiguousarray(points[crop_points(points, 3000), :3])
         coords = voxelize(patch, size, backend="reference").coords
         for stride in (1, 2):

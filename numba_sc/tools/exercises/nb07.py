@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import ExerciseFailed, exercise, expect_equal
-from .nb01 import crop_voxels
+from .inputs import crop_voxels
 
 
 # -- 7.1 ------------------------------------------------------------------------------

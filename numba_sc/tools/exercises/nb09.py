@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import ExerciseFailed, exercise, expect_equal
-from .nb01 import scan_crop
+from .inputs import scan_crop
 
 IGNORE = 255  # SemanticKITTI's unscored label (numba_sc.train.labels.IGNORE_INDEX)
 
