@@ -1,9 +1,11 @@
-"""The numba-sc command (also python -m numba_sc): demo, check, ladder, train.
+"""The numba-sc command (also python -m numba_sc): demo, check, ladder, train, figures, book.
 
 demo    runs every stage on a scan and times the kernels beside the NumPy references;
 check   compares each stage's kernel with its reference and locates the first mismatch;
 ladder  runs each stage's kernels rung by rung (numba_sc.tools.ladder);
-train   fits MinkUNet42 to the labelled SemanticKITTI scan (numba_sc.train).
+train   fits MinkUNet42 to the labelled SemanticKITTI scan (numba_sc.train);
+figures checks every figure the prose quotes against its result file (numba_sc.tools.results);
+book    executes every notebook and renders them, with docs/, as an HTML book (numba_sc.tools.book).
 
 Without a GPU the kernels run under Numba's CUDA simulator, on a crop of the cloud.
 """
@@ -38,6 +40,7 @@ EXAMPLES = """examples:
   numba-sc ladder gather scatter --dtypes float16
   numba-sc train --steps 300 --out curve.json    fit MinkUNet42 to the labelled scan
   numba-sc train --data KITTI --split train --epochs 10 --eval valid --save run.npz --log run.json
+  numba-sc book                                  every notebook, run, as HTML pages in build/book
 """
 
 
@@ -82,7 +85,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="numba-sc", description=__doc__, epilog=EXAMPLES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"numba-sc {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,check,ladder,train}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,check,ladder,train,figures,book}")
     cols, crop = _at_least(3), _at_least(1)
 
     def command(name, help_, example):
@@ -146,10 +149,24 @@ def main(argv=None):
     ds.add_argument("--eval", dest="eval_data",
                     help="held-out scans scored after every epoch: a folder, or 'valid' (sequence 08 of --data)")
     ds.add_argument("--log", help="the run's history as JSON, and a plot of it beside (.png)")
+    ds.add_argument("--amp", action="store_true",
+                    help="mixed precision: float16 compute, float32 master weights, dynamic loss scaling")
+    ds.add_argument("--gpus", type=_at_least(1), default=None,
+                    help="data-parallel over this many GPUs of this machine, one process each (--batch-size is "
+                         "the global batch); several machines: see numba_sc.train.parallel")
     fg = command("figures", "check every performance figure quoted in the prose against benchmarks/results/",
                  "numba-sc figures --update")
     fg.add_argument("--update", action="store_true",
                     help="rewrite stale figure links from their result files (after a benchmark ran again)")
+    bk = command("book", "execute every notebook and render them, with docs/, as an HTML book",
+                 "numba-sc book --out build/book --jobs 2 --only 05 06")
+    bk.add_argument("--out", default="build/book", help="the book's folder (default build/book)")
+    bk.add_argument("--jobs", type=_at_least(1), default=None,
+                    help="notebooks executed at once, each in its own kernel (default: one per core)")
+    bk.add_argument("--only", nargs="+", metavar="NAME",
+                    help="rebuild only these notebooks (file name or number); other pages are kept")
+    bk.add_argument("--no-execute", action="store_true",
+                    help="render the notebooks as committed, without running them (no outputs)")
     args = parser.parse_args(argv)
 
     if argv is None:
@@ -175,7 +192,11 @@ def main(argv=None):
     if args.command == "figures":
         return _figures(args)
     if args.command == "train":
-        return _train_dataset(args) if args.epochs else _train(args)
+        return _train_dataset(args, sys.argv[1:] if argv is None else argv) if args.epochs else _train(args)
+    if args.command == "book":
+        from .tools.book import main as book
+
+        return book(args.out, args.jobs, args.only, execute=not args.no_execute)
     return 2
 
 
@@ -204,12 +225,15 @@ def _data_folder(filename, explicit=None):
     return None
 
 
-def _train_dataset(args):
-    """``train --epochs E``: a run over a dataset (numba_sc.train.run)."""
+def _train_dataset(args, argv):
+    """``train --epochs E``: a run over a dataset (numba_sc.train.run); with ``--gpus N``
+    (and no WORLD_SIZE in the environment) the launcher of N such runs, one per GPU,
+    which find their rank in the environment (numba_sc.train.parallel)."""
     from .core.device import gpu_present, simulating
     from .nn import models
-    from .train import data, labels, optim
+    from .train import data, labels, optim, parallel
     from .train import run as tr
+    from .train.trainer import Trainer
 
     if not args.data:
         print("train --epochs needs --data ROOT: a SemanticKITTI dataset folder or a folder of "
@@ -222,42 +246,76 @@ def _train_dataset(args):
             held = data.ScanFolder(args.data, split="valid")
         elif args.eval_data:
             held = data.ScanFolder(args.eval_data)
+        placement = parallel.placement_from_environment()
     except (FileNotFoundError, ValueError) as e:
         print(f"train: {e}", file=sys.stderr)
         return 2
     on_gpu = gpu_present() and not simulating()
+    if args.gpus and args.gpus > 1 and placement is None:  # the launcher: N copies of this command
+        count = 0
+        if on_gpu:
+            import cupy
+
+            count = cupy.cuda.runtime.getDeviceCount()
+        if args.gpus > count:
+            print(f"train --gpus {args.gpus}: this machine has {count} CUDA GPU(s); --gpus starts one process per "
+                  "GPU", file=sys.stderr)
+            return 2
+        if args.batch_size < args.gpus:
+            print(f"train --gpus {args.gpus}: --batch-size {args.batch_size} is the global batch, cut into one "
+                  f"share per GPU; give at least {args.gpus}", file=sys.stderr)
+            return 2
+        return parallel.spawn(args.gpus, [sys.executable, "-m", "numba_sc", *argv])
+    if placement is not None and placement.size > 1 and not on_gpu:
+        print(f"train: WORLD_SIZE={placement.size} asks for a data-parallel run, which needs a CUDA GPU per "
+              "process (NCCL); this one sees none", file=sys.stderr)
+        return 2
     backend = "cuda" if on_gpu else "reference"  # (without a GPU: the NumPy references, as train does)
     augmentation = not args.no_augment
+    comm = parallel.connect(placement)  # (one process: parallel.Solo; else this rank's GPU and NCCL)
+    main_rank = comm.rank == 0
 
     def prepare(points, raw, rng):
         return tr.prepare_scan(points, raw, rng, 0.05, augmentation, on_gpu)
 
-    loader = data.Loader(scans, args.batch_size, prepare, seed=args.seed, workers=args.workers)
+    try:
+        loader = parallel.ShardedLoader(scans, args.batch_size, prepare, rank=comm.rank, size=comm.size,
+                                        seed=args.seed, workers=args.workers)
+    except ValueError as e:
+        print(f"train: {e}", file=sys.stderr)
+        return 2
     model = models.MinkUNet42(len(tr.FEATURES), labels.NUM_CLASSES, width=args.width, seed=args.seed)
     if on_gpu:
         model.cuda()
     opt = optim.AdamW(model.trainable_parameters(), lr=args.lr, weight_decay=1e-2)
+    trainer = Trainer(model, opt, comm=comm, amp=args.amp, backend=backend)
     total = args.epochs * len(loader)
     settings = {"data": str(args.data), "sequences": args.sequences, "split": args.split, "epochs": args.epochs,
                 "batch_size": args.batch_size, "lr": args.lr, "width": args.width, "seed": args.seed,
-                "augmentation": augmentation}
+                "augmentation": augmentation, "amp": args.amp}
     start, history = 0, []
     if args.resume:
-        start, history, saved = tr.resume(args.resume, model, opt)
+        start, history, saved = tr.resume(args.resume, model, opt, trainer)
+        saved = {"amp": False, **saved}  # (checkpoints from before --amp existed were not amp)
         differ = {k: (saved.get(k), v) for k, v in settings.items() if k != "epochs" and saved.get(k) != v}
         if differ:
             print(f"train --resume: {args.resume} was written with other settings {differ} (saved, given); "
                   "resume with the same ones", file=sys.stderr)
             return 2
-        print(f"resumed from {args.resume}: {start} epoch(s) done")
-    print(f"MinkUNet42 (width {args.width}) on {len(scans)} scans ({scans.layout}), batches of {args.batch_size}, "
-          f"epochs {start}..{args.epochs - 1}, backend {backend}")
+        if main_rank:
+            print(f"resumed from {args.resume}: {start} epoch(s) done")
+    if main_rank:
+        print(f"MinkUNet42 (width {args.width}) on {len(scans)} scans ({scans.layout}), batches of {args.batch_size}"
+              f"{f' over {comm.size} GPUs' if comm.size > 1 else ''}, epochs {start}..{args.epochs - 1}, "
+              f"backend {backend}{', mixed precision' if args.amp else ''}")
     history = tr.fit_dataset(model, opt, loader, args.epochs,
                              schedule=lambda s: optim.cosine_lr(s, total, args.lr, warmup=min(10, total)),
                              start_epoch=start, history=history, save_to=args.save, eval_scans=held,
-                             settings=settings, backend=backend, log_every=args.log_every)
-    if args.log:
+                             settings=settings, backend=backend, log_every=args.log_every, trainer=trainer)
+    if args.log and main_rank:
         tr.write_log(history, args.log)
+    if hasattr(comm, "close"):
+        comm.close()
     return 0
 
 

@@ -65,6 +65,7 @@ from ..core.device import array_module, gpu_present, simulating
 from ..core.backend import like, resolve_backend, to_device, to_host
 from ..train.conv_gradient import sparse_conv3d_backward
 from ..gmas.conv import convolve
+from ..core.launch import launch
 from ..core.tensor import CoordinateMaps, SparseTensor, map_key, same_coordinates
 
 _BACKEND = contextvars.ContextVar("numba_sc_nn_backend", default=None)
@@ -583,6 +584,15 @@ class BatchNorm(Module):
     ones as PyTorch does: ``running = (1 - momentum) * running + momentum * batch``
     (the variance unbiased). Followed by a :class:`ReLU` in a :class:`Sequential`,
     the two run as one kernel.
+
+    **Synced over several GPUs** (``comm``, set by
+    :func:`numba_sc.train.parallel.sync_batchnorm`): in data-parallel training each
+    GPU holds a share of the batch's rows, and the statistics must be those of
+    the whole batch, or N GPUs would train another network than one GPU does.
+    The forward then sums its column sums (and its row count) over the ranks
+    before dividing, twice (the mean, then the squared deviations from it: the
+    two passes of the one-GPU path), and the backward sums the two per-channel
+    reductions of the gradient the same way (:meth:`_synced_backward`).
     """
 
     _params = {"weight": "float32", "bias": "float32", "running_mean": "float32",
@@ -598,6 +608,7 @@ class BatchNorm(Module):
         self.running_mean = np.zeros(c, np.float32)
         self.running_var = np.ones(c, np.float32)
         self.num_batches_tracked = np.zeros((), np.int64)
+        self.comm = None  # a communicator (all_reduce, rank, size): batch statistics over every rank
 
     def forward(self, x, residual=None, relu=False):
         """``residual`` (a tensor on x's coordinates) is added after normalizing, and
@@ -620,22 +631,77 @@ class BatchNorm(Module):
         return y
 
     def _backward(self, x, y, g, mean, var, relu, training, params, bk):
-        dx, dweight, dbias, dres = pw.batch_norm_backward(g, x.features, y.features, self.weight, mean, var,
-                                                          self.eps, relu, training, backend=bk)
+        if training and self.comm is not None:
+            dx, dweight, dbias, dres = self._synced_backward(g, x.features, y.features, mean, var, relu, bk)
+        else:
+            dx, dweight, dbias, dres = pw.batch_norm_backward(g, x.features, y.features, self.weight, mean, var,
+                                                              self.eps, relu, training, backend=bk)
         add_param_grad(params, self.param_name("weight"), dweight, self.weight)
         add_param_grad(params, self.param_name("bias"), dbias, self.bias)
         return [dx, dres]
 
+    def _synced_backward(self, g, x, y, mean, var, relu, bk):
+        """:func:`numba_sc.nn.pointwise.batch_norm_backward` over every rank's rows.
+
+        ``dL/dx = weight * inv_std * (g' - a - xhat * b)`` with ``a = sum(g') / n`` and
+        ``b = sum(g' * xhat) / n`` per channel, the sums and ``n`` over the *whole*
+        batch: each rank's column sums (and row count) are summed over the ranks in
+        one all-reduce, then every rank finishes its own rows. The parameter
+        gradients returned are this rank's own sums: the gradient all-reduce of the
+        training step adds the ranks' shares up, as it does for every parameter."""
+        ref = bk == "reference"
+        g, x, y = (to_host(g), to_host(x), to_host(y)) if ref else (to_device(g), to_device(x), to_device(y))
+        xp = array_module(x)
+        mean, var = xp.asarray(mean, np.float32), xp.asarray(var, np.float32)
+        weight = like(self.weight, x).astype(np.float32, copy=False)
+        inv_std = (1.0 / xp.sqrt(var + np.float32(self.eps))).astype(np.float32)
+        gm = pw.relu_backward(g, y, backend=bk) if relu else g  # the gradient past the ReLU
+        gf = gm.astype(np.float32, copy=False)
+        xhat = (x.astype(np.float32, copy=False) - mean) * inv_std
+        dbias, dweight = pw.column_sums(gf), pw.column_sums(gf * xhat)
+        c = dbias.shape[0]
+        sums = xp.concatenate([dbias, dweight, xp.full(1, x.shape[0], np.float32)])
+        self.comm.all_reduce(sums)  # in place: the whole batch's sums, and its row count
+        a, b = sums[:c] / sums[2 * c], sums[c:2 * c] / sums[2 * c]
+        if ref:
+            dx = ((weight * inv_std) * (gf - a - xhat * b)).astype(g.dtype)
+        else:  # the one-GPU path's kernel, given the whole batch's a and b
+            dx = xp.empty(g.shape, g.dtype)
+            launch(pw.batch_norm_backward_kernel, g.size, g, x, y, bool(relu), (weight * inv_std).astype(np.float32),
+                   mean, inv_std, a.astype(np.float32), b.astype(np.float32), dx)
+        return dx, dweight, dbias, gm
+
     def _batch_statistics(self, features, bk):
         f = to_host(features) if bk == "reference" else to_device(features)
-        mean, var = pw.batch_statistics(f)
-        n = f.shape[0]
-        unbiased = var * (n / max(n - 1, 1))
+        if self.comm is None:
+            mean, var = pw.batch_statistics(f)
+            n = f.shape[0]
+            unbiased = var * (n / max(n - 1, 1))
+        else:
+            mean, var, n = self._synced_statistics(f)
+            unbiased = var * (n / array_module(n).maximum(n - 1, 1))  # (n stays on the device: no read)
         m = self.momentum
         self.running_mean = like((1 - m) * like(self.running_mean, mean) + m * mean, self.running_mean)
         self.running_var = like((1 - m) * like(self.running_var, var) + m * unbiased, self.running_var)
         self.num_batches_tracked = self.num_batches_tracked + 1  # on its own side: no device read
         return mean, var
+
+    def _synced_statistics(self, f):
+        """:func:`numba_sc.nn.pointwise.batch_statistics` over every rank's rows: the
+        column sums and the row count summed over the ranks (one all-reduce), then the
+        sums of squared deviations from that mean (a second one). Returns ``(mean,
+        var, n)``, ``n`` the batch's row count as a float32 array of the features' side
+        (exact up to 2**24 rows)."""
+        xp = array_module(f)
+        xf = f.astype(np.float32, copy=False)
+        c = xf.shape[1]
+        sums = xp.concatenate([pw.column_sums(xf), xp.full(1, xf.shape[0], np.float32)])
+        self.comm.all_reduce(sums)
+        n = sums[c]
+        mean = sums[:c] / n
+        squares = pw.column_sums((xf - mean) ** 2)
+        self.comm.all_reduce(squares)
+        return mean, squares / n, n
 
     def extra_repr(self):
         return f"{self.num_features}, eps={self.eps:g}"

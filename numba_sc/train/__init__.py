@@ -11,6 +11,11 @@
                     split, evaluation (per-class IoU)
     data            scans from disk (SemanticKITTI's layout or .bin/.label pairs), batches, a loader
     augment         rotation, flips, scaling, jitter, crop: random, reproducible from a seed
+    run             training over a dataset: prepared scans, epochs, evaluation, resume, the log
+    amp             mixed precision: float16 compute, float32 master weights, dynamic loss scaling
+    parallel        data parallel over NCCL: communicators, gradient buckets, synced BatchNorm,
+                    sharded batches, the launcher (one process per GPU; several machines)
+    trainer         one step with amp and/or a communicator
 
 The loop's functions are importable from here: ``numba_sc.train.scan_tensor``, ...
 """

@@ -24,6 +24,15 @@ loader draws every scan's augmentation from ``(seed, epoch, index)`` and its
 order from ``(seed, epoch)``, and the learning rate is a function of the step,
 so a run resumed from the checkpoint of epoch e continues with the very losses
 the uninterrupted run had.
+
+**Mixed precision and several GPUs.** The step is a
+:class:`numba_sc.train.trainer.Trainer`'s: ``Trainer(model, optimizer, amp=True)``
+trains in float16 with float32 master weights and a dynamic loss scale
+(:mod:`numba_sc.train.amp`; the checkpoint then holds the full-precision
+weights and the scale); ``Trainer(..., comm=...)`` with a
+:class:`numba_sc.train.parallel.ShardedLoader` is one rank of a data-parallel
+run (:mod:`numba_sc.train.parallel`), where only rank 0 prints, evaluates and
+saves.
 """
 from __future__ import annotations
 
@@ -36,7 +45,8 @@ import numpy as np
 from . import augment
 from . import labels as lb
 from .checkpoint import load, save
-from .loop import evaluate, predict, train_step
+from .loop import evaluate, predict
+from .trainer import Trainer
 from ..core.backend import to_device
 from ..core.device import gpu_present, simulating
 from ..core.tensor import SparseTensor
@@ -76,22 +86,26 @@ def prepare_scan(points, raw_labels, rng, voxel_size=0.05, augmentation=True, de
     return SparseTensor(coords, f), target, v.inverse, point_target
 
 
-def evaluate_scans(model, scans, voxel_size=0.05, device=False, backend=None):
+def evaluate_scans(model, scans, voxel_size=0.05, device=False, backend=None, dtype=None):
     """Per-class IoU over every point of every scan of ``scans`` (a
-    :class:`numba_sc.train.data.ScanFolder` with labels), no augmentation."""
+    :class:`numba_sc.train.data.ScanFolder` with labels), no augmentation.
+    ``dtype``: the features' dtype the model computes in (float16 for a model
+    trained with mixed precision; default float32)."""
     pred_all, target_all = [], []
     for i in range(len(scans)):
         points, raw = scans[i]
         if raw is None:
             raise ValueError(f"scan {scans.names[i]} has no labels: evaluation needs labelled scans")
         x, _, inverse, point_target = prepare_scan(points, raw, None, voxel_size, False, device)
+        if dtype is not None and np.dtype(dtype) != x.features.dtype:
+            x = x.with_features(x.features.astype(dtype))
         pred_all.append(predict(model, x, backend)[np.asarray(inverse)])
         target_all.append(point_target)
     return evaluate(np.concatenate(pred_all), np.concatenate(target_all))
 
 
 def fit_dataset(model, optimizer, loader, epochs, schedule=None, start_epoch=0, history=None, save_to=None,
-                eval_scans=None, settings=None, backend=None, log_every=10, print_=None):
+                eval_scans=None, settings=None, backend=None, log_every=10, print_=None, trainer=None):
     """Train ``model`` for epochs ``start_epoch .. epochs - 1`` over ``loader``'s batches
     (each a :class:`numba_sc.train.data.Batch` of :func:`prepare_scan` results).
 
@@ -99,33 +113,43 @@ def fit_dataset(model, optimizer, loader, epochs, schedule=None, start_epoch=0, 
     epoch: the mean loss, scans per second and (with ``eval_scans``) the per-class
     IoU of the held-out scans go into the history, printed; with ``save_to`` a
     checkpoint is written there (:func:`numba_sc.save`), from which :func:`resume`
-    continues exactly. Returns the history: one dict per epoch, with every step's loss."""
+    continues exactly. Returns the history: one dict per epoch, with every step's loss.
+
+    ``trainer``: the :class:`numba_sc.train.trainer.Trainer` that runs each step
+    (mixed precision, one rank of several); default the plain step on ``model``
+    and ``optimizer``. On a rank other than 0 nothing is printed, evaluated or
+    saved."""
     history = list(history or [])
+    trainer = trainer or Trainer(model, optimizer, backend=backend)
     print_ = print_ or (lambda s: print(s, flush=True))
+    if trainer.rank != 0:
+        print_, save_to, eval_scans = (lambda s: None), None, None
     steps_per_epoch = len(loader)
     for epoch in range(start_epoch, epochs):
         loader.epoch = epoch
-        losses, scans, t0 = [], 0, time.perf_counter()
+        losses, t0, scans0 = [], time.perf_counter(), trainer.scans
         waited0 = loader.waited
         for k, batch in enumerate(loader):
             step = epoch * steps_per_epoch + k
             if schedule is not None:
                 optimizer.lr = schedule(step)
-            target = batch.concat(0)
-            if not bool((target != lb.IGNORE_INDEX).any()):  # (one small device read)
+            loss = trainer.step(batch.tensor, batch.concat(0), scans=len(batch))
+            if loss is None:
                 print_(f"epoch {epoch:3d}  batch {k + 1:4d}: no labelled point, skipped")
                 continue
-            losses.append(float(train_step(model, batch.tensor, target, optimizer, backend)))
-            scans += len(batch)
+            losses.append(float(loss))
+            scans = trainer.scans - scans0
             if log_every and (k % log_every == 0 or k == steps_per_epoch - 1):
                 rate = scans / (time.perf_counter() - t0)
                 print_(f"epoch {epoch:3d}  batch {k + 1:4d}/{steps_per_epoch}  loss {losses[-1]:.4f}  "
                        f"{rate:.1f} scans/s")
         seconds = time.perf_counter() - t0
         rec = {"epoch": epoch, "loss": float(np.mean(losses)) if losses else None, "losses": losses, "seconds": seconds,
-               "scans_per_second": scans / seconds, "waited_for_data": loader.waited - waited0}
+               "scans_per_second": (trainer.scans - scans0) / seconds, "waited_for_data": loader.waited - waited0}
+        if trainer.scaler is not None:
+            rec.update(loss_scale=trainer.scaler.scale, skipped_steps=trainer.scaler.skipped)
         if eval_scans is not None:
-            r = evaluate_scans(model, eval_scans, device=device_of_run(), backend=backend)
+            r = evaluate_scans(model, eval_scans, device=device_of_run(), backend=backend, dtype=trainer.dtype)
             rec.update(eval_accuracy=r["accuracy"], eval_miou=r["miou"], eval_iou=r["iou"])
         history.append(rec)
         print_(f"epoch {epoch:3d} done: mean loss {rec['loss'] if rec['loss'] is None else round(rec['loss'], 4)}, "
@@ -134,21 +158,25 @@ def fit_dataset(model, optimizer, loader, epochs, schedule=None, start_epoch=0, 
                + (f"; held-out accuracy {rec['eval_accuracy']:.3f}, mIoU {rec['eval_miou']:.3f}"
                   if eval_scans is not None else ""))
         if save_to is not None:
-            save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epochs_done": epoch + 1,
-                  "history": history, "settings": dict(settings or {})}, save_to)
+            save({**trainer.state_dict(), "epochs_done": epoch + 1, "history": history,
+                  "settings": dict(settings or {})}, save_to)
     return history
 
 
-def resume(path, model, optimizer):
+def resume(path, model, optimizer, trainer=None):
     """Load a checkpoint :func:`fit_dataset` wrote into ``model`` and ``optimizer`` (in
-    place); returns ``(epochs done, history, settings)``."""
+    place), through ``trainer`` when given (with amp: into the float32 masters, and
+    the loss scale); returns ``(epochs done, history, settings)``."""
     ckpt = load(path)
     for key in ("model", "optimizer", "epochs_done"):
         if key not in ckpt:
             raise ValueError(f"{path} is a checkpoint but not of a training run (no {key!r}); write one with "
                              "numba-sc train --save")
-    model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
+    if trainer is not None:
+        trainer.load_state_dict(ckpt)
+    else:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
     return int(ckpt["epochs_done"]), list(ckpt.get("history", [])), dict(ckpt.get("settings", {}))
 
 
