@@ -148,7 +148,7 @@ def evaluate(expression: str, record: dict):
 # A figure link: [text](path/to/benchmarks/results/NAME.json "expression") (the path relative to
 # the prose's own folder, as a link must be).
 FIGURE_LINK = re.compile(r'\[([^\]\n]+)\]\(([^)\s]*results/([^)\s]+\.json))\s+"([^"\n]+)"\)')
-NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
 # What a performance figure typed by hand looks like: a ratio (2.6x, 0.78 x), a time
 # (12 ms, 48 us), a rate (3 TB/s, 120 scans/s), a fraction of the peak.
 TYPED = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:x(?![\w])|\s?(?:ns|us|µs|ms)\b|\s?(?:[KMGT]B|TFLOP|GFLOP|scans|steps|voxels|points)/s\b)")
@@ -195,17 +195,22 @@ def _texts(path: Path):
 
 
 def _decimals(text: str) -> int:
-    return len(text.rpartition(".")[2]) if "." in text else 0
+    mantissa = text.partition("e")[0]
+    return len(mantissa.rpartition(".")[2]) if "." in mantissa else 0
 
 
 def _matches(shown: str, value: float) -> bool:
-    """Does the number as typed (``"0.89"``, ``"1,250"``) equal ``value`` rounded as it is?"""
+    """Does the number as typed (``"0.89"``, ``"1,250"``, ``"6.0e-05"``) equal ``value``
+    rounded as it is?"""
     d = _decimals(shown)
-    return abs(float(shown.replace(",", "")) - value) <= 0.5 * 10 ** -d + 1e-9 * abs(value)
+    unit = 10.0 ** (int(shown.partition("e")[2]) - d) if "e" in shown else 10.0 ** -d
+    return abs(float(shown.replace(",", "")) - value) <= 0.5 * unit + 1e-9 * abs(value)
 
 
 def _format_like(shown: str, value: float) -> str:
     d = _decimals(shown)
+    if "e" in shown:
+        return f"{value:.{d}e}"
     return f"{value:,.{d}f}" if "," in shown else f"{value:.{d}f}"
 
 
