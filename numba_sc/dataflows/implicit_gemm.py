@@ -145,6 +145,7 @@ Measured figures (Nsight Compute, against gather-GEMM-scatter and spconv):
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cache
 from typing import NamedTuple
@@ -890,9 +891,15 @@ TENSOR_CORE_MIN_CHANNELS = 8
 
 
 @cache
+@cache
 def tensor_cores_here() -> bool:
     """Whether this process's kernels can run v4: a GPU (not the simulator) of compute
-    capability 8.0 or later (the first with ``mma.m16n8k16`` in fp16)."""
+    capability 8.0 or later (the first with ``mma.m16n8k16`` in fp16), unless
+    ``NUMBA_SC_TENSOR_CORES=0`` turns the rung off (to compare with v3, or to rule it
+    out while debugging). Asked once per process: every layer call would otherwise pay
+    a driver query (one process drives one GPU, as ``numba_sc.train.parallel`` does)."""
+    if os.environ.get("NUMBA_SC_TENSOR_CORES", "1") == "0":
+        return False
     return not simulating() and tuple(cuda.get_current_device().compute_capability) >= (8, 0)
 
 
