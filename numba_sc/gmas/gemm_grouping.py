@@ -400,7 +400,12 @@ def grouped_gemm_cuda(in_buf, weight, groups, out_buf, streams=STREAM_POOL):
     handle = cupy.cuda.device.get_cublas_handle()
     c_in, c_out, item = weight.shape[1], weight.shape[2], weight.itemsize
     t = _CUDA_TYPE[weight.dtype]
-    w_ptr = take_weights_cuda(weight, device_order(groups, cupy)).data.ptr
+    # Keep the gathered weights referenced until the side streams' GEMMs are joined below:
+    # dropped early, their block returns to CuPy's pool tagged with the caller's stream,
+    # and another thread allocating on that stream can write it while a side stream's GEMM
+    # still reads it (seen with the training loader's threads: non-finite logits).
+    w = take_weights_cuda(weight, device_order(groups, cupy))
+    w_ptr = w.data.ptr
     a_ptr, c_ptr, w_step = in_buf.data.ptr, out_buf.data.ptr, c_in * c_out
     caller = cupy.cuda.get_current_stream()
     n_streams = max(1, min(int(streams), STREAM_POOL, len(groups)))
@@ -425,6 +430,7 @@ def grouped_gemm_cuda(in_buf, weight, groups, out_buf, streams=STREAM_POOL):
         pos += len(g.members)
     for s, done in zip(pool[1:], events.done if events else ()):
         caller.wait_event(s.record(done))
+    del w  # now any later use of its block is queued after every GEMM that read it
     return out_buf
 
 

@@ -50,6 +50,20 @@ beside a 0.25 s step cut the loop's waiting from 41 % of the time to 17 % when
 the step sleeps (as a GPU step that waits on the device does) and to 28 % when
 the step is pure Python. Measure yours with :func:`loader_wait_fraction`.
 
+Device arrays made in the threads. On a GPU, ``prepare`` usually ends on the
+device (``prepare_scan(..., device=True)``), and the threads then take memory
+from CuPy's pool, which every thread of the process shares. The pool keeps its
+free blocks per stream, and every thread's default stream is the same legacy
+stream: a block the training thread has just freed can go straight to a loader
+thread, even while GPU work on another stream still reads it (the grouped
+GEMMs of :mod:`numba_sc.gmas.gemm_grouping` run on side streams). A loader
+thread that writes into such a block corrupts the step: non-finite logits, or
+silently different losses (``benchmarks/bench_loader.py``'s stress check
+reproduced both, ``benchmarks/results/loader.json``). So the worker and
+collate threads prepare on a stream of their own (:func:`loader_stream`), and
+wait for it before a batch is handed over: the pool gives them only blocks of
+that stream, and the training thread receives arrays whose copies are done.
+
 Reproducibility: item ``index`` of epoch ``epoch`` is prepared with its own
 generator, ``np.random.default_rng([seed, epoch, index])``, and batches are
 assembled in the planned order whatever thread finished first, so the batches
@@ -72,9 +86,11 @@ Example::
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,7 +98,7 @@ import numpy as np
 
 from ..core import conventions as cv
 from ..core.backend import like, to_host
-from ..core.device import array_module
+from ..core.device import array_module, gpu_present, simulating
 from ..core.tensor import SparseTensor
 from .labels import load_semantickitti_labels
 
@@ -495,6 +511,54 @@ def collate_items(items, indices=None) -> Batch:
 
 
 # ------------------------------------------------------------------ loading
+_IN_LOADER = threading.local()  # .thread is True in a Loader's own worker and collate threads
+_STREAMS = {}  # device id -> the stream the loader threads of this process prepare on
+_STREAMS_LOCK = threading.Lock()
+
+
+def _mark_loader_thread():
+    """ThreadPoolExecutor's initializer for the loader's threads."""
+    _IN_LOADER.thread = True
+
+
+def loader_stream():
+    """The CuPy stream the loader's threads use on the current device (made on first use).
+
+    One stream per device, shared by all loader threads: it gives them blocks of
+    their own in CuPy's pool (module docstring, "Device arrays made in the
+    threads"). It is a *blocking* stream (``non_blocking=False``): its work waits
+    for the work queued before it on the legacy default stream, where the training
+    step runs (CuPy's default stream, which the layers use unless the caller makes
+    another current). That matters because a batch's arrays go back to this stream's
+    blocks when the training thread drops them, right after queueing the kernels
+    that read them; a loader thread that gets such a block again writes into it
+    only after those kernels.
+    """
+    import cupy
+
+    device = cupy.cuda.runtime.getDevice()
+    with _STREAMS_LOCK:
+        stream = _STREAMS.get(device)
+        if stream is None:
+            stream = _STREAMS[device] = cupy.cuda.Stream(non_blocking=False)
+    return stream
+
+
+@contextmanager
+def _on_loader_stream():
+    """In a loader thread on a GPU: run the block on :func:`loader_stream`, then wait
+    for that stream, so what the block made is complete when it is handed over.
+    Anywhere else (the calling thread with ``workers=0``, the CPU, the simulator)
+    nothing changes."""
+    if not getattr(_IN_LOADER, "thread", False) or simulating() or not gpu_present():
+        yield
+        return
+    stream = loader_stream()
+    with stream:
+        yield
+    stream.synchronize()
+
+
 class Loader:
     """Batches of a dataset, prepared in background threads, in a reproducible order.
 
@@ -580,14 +644,16 @@ class Loader:
         index = int(index)
         try:
             points, labels = self.dataset[index]
-            return self.prepare(points, labels, self.item_rng(epoch, index))
+            with _on_loader_stream():
+                return self.prepare(points, labels, self.item_rng(epoch, index))
         except Exception as e:
             e.add_note(f"(while preparing item {index} of epoch {epoch})")
             raise
 
     def make_batch(self, items, indices):
         """One batch from its prepared items: ``collate(items)``, or :func:`collate_items`."""
-        return collate_items(items, indices) if self.collate is None else self.collate(items)
+        with _on_loader_stream():
+            return collate_items(items, indices) if self.collate is None else self.collate(items)
 
     def __iter__(self):
         epoch = self.epoch
@@ -603,8 +669,9 @@ class Loader:
                 self.waits.append(time.perf_counter() - t0)
                 yield batch
             return
-        items_pool = ThreadPoolExecutor(self.workers, thread_name_prefix="numba-sc-prepare")
-        batch_pool = ThreadPoolExecutor(1, thread_name_prefix="numba-sc-collate")
+        items_pool = ThreadPoolExecutor(self.workers, thread_name_prefix="numba-sc-prepare",
+                                        initializer=_mark_loader_thread)
+        batch_pool = ThreadPoolExecutor(1, thread_name_prefix="numba-sc-collate", initializer=_mark_loader_thread)
         pending = deque()
 
         def collate_when_ready(futures, idx):

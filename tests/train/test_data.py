@@ -1,12 +1,17 @@
 """Data (numba_sc.train.data): the scan reader on a SemanticKITTI-layout folder built from
-crops of the shared scan, batching and splitting back, and the background loader."""
+crops of the shared scan, batching and splitting back, and the background loader (its
+threads' device arrays on a stream of their own)."""
+import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
 
 from numba_sc import voxelize
+from numba_sc.core.backend import to_host
+from numba_sc.core.device import gpu_present, simulating
 from numba_sc.core.tensor import SparseTensor
 from numba_sc.nn.layers import SubMConv3d
 from numba_sc.train import augment as A
@@ -352,3 +357,133 @@ def test_prefetch_bounds_the_work_ahead():
     time.sleep(0.1)
     assert sorted(started) == [0, 1, 2, 3]
     it.close()
+
+
+# ------------------------------------------------------------------ the loader's stream on a GPU
+# Why (data's module docstring, "Device arrays made in the threads"): CuPy's memory pool keeps
+# free blocks per stream, and a block the training thread frees on the legacy stream can be
+# handed to another thread of that stream while GPU work on a side stream still reads it;
+# benchmarks/bench_loader.py's stress check reproduced the corruption on a GPU with the
+# loader's threads on the legacy stream. Without a GPU, a stand-in for CuPy records which
+# stream was current in each prepare and collate call and when each was waited for; on a
+# GPU the same is asked of CuPy itself.
+ON_GPU = gpu_present() and not simulating()
+
+
+def tiny_scans(n):
+    """``n`` tiny labelled 'scans': (points, labels) whose content says which scan it is."""
+    return [(np.full((3, 4), i, np.float32), np.full(3, i, np.uint32)) for i in range(n)]
+
+
+def tiny_item(points):
+    """A prepared scan as Loader's default collate takes it: (coords, features) on the host."""
+    i = int(points[0, 0])
+    return np.array([[i, 0, 0]], np.int32), np.full((1, 1), i, np.float32)
+
+
+class FakeCupy:
+    """What data's stream code asks of CuPy: ``cuda.runtime.getDevice`` and ``cuda.Stream``
+    (a context manager that makes itself this thread's current stream, and ``synchronize``).
+    Records every stream made and every wait, in order, with the thread that waited."""
+
+    def __init__(self):
+        self.made, self.events, self.local = [], [], threading.local()
+        fake = self
+
+        class Stream:
+            def __init__(self, non_blocking=False):
+                self.non_blocking = non_blocking
+                fake.made.append(self)
+
+            def __enter__(self):  # (the threads share a stream: what it replaced is kept per thread)
+                fake.stack().append(self)
+                return self
+
+            def __exit__(self, *exc):
+                fake.stack().pop()
+
+            def synchronize(self):
+                fake.events.append(("wait", threading.current_thread().name, self))
+
+        self.cuda = types.SimpleNamespace(Stream=Stream, runtime=types.SimpleNamespace(getDevice=lambda: 0))
+
+    def stack(self):
+        if not hasattr(self.local, "stack"):
+            self.local.stack = []
+        return self.local.stack
+
+    def current(self):
+        return self.stack()[-1] if self.stack() else None
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The loader's view of a machine with a GPU, CuPy replaced by :class:`FakeCupy`."""
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(data, "gpu_present", lambda: True)
+    monkeypatch.setattr(data, "simulating", lambda: False)
+    monkeypatch.setattr(data, "_STREAMS", {})
+    return fake
+
+
+def recording_loader(fake, workers):
+    """A Loader over 6 scans in batches of 2 whose prepare and collate note the thread and
+    the current stream of each call (in ``fake.events``, beside the waits)."""
+
+    def prepare(points, labels, rng):
+        fake.events.append(("prepare", threading.current_thread().name, fake.current()))
+        return tiny_item(points)
+
+    def collate(items):
+        fake.events.append(("collate", threading.current_thread().name, fake.current()))
+        return data.collate_items(items)
+
+    return data.Loader(tiny_scans(6), 2, prepare, shuffle=False, workers=workers, collate=collate)
+
+
+def test_worker_threads_prepare_and_collate_on_the_loader_stream_and_wait_for_it(fake_gpu):
+    batches = list(recording_loader(fake_gpu, workers=2))
+    assert [b.tensor.features[:, 0].tolist() for b in batches] == [[0, 1], [2, 3], [4, 5]]
+    assert len(fake_gpu.made) == 1 and fake_gpu.made[0].non_blocking is False  # one blocking stream
+    stream = fake_gpu.made[0]
+    calls = [e for e in fake_gpu.events if e[0] != "wait"]
+    assert sorted(k for k, *_ in calls) == ["collate"] * 3 + ["prepare"] * 6
+    for kind, thread, current in calls:
+        assert thread.startswith("numba-sc-"), (kind, thread)  # the loader's own threads
+        assert current is stream, (kind, thread)
+    # each call's thread waits for the stream after the call and before its next one
+    for k, (kind, thread, _) in enumerate(fake_gpu.events):
+        if kind != "wait":
+            later = [e for e in fake_gpu.events[k + 1:] if e[1] == thread]
+            assert later and later[0][0] == "wait" and later[0][2] is stream, (kind, thread)
+
+
+def test_the_calling_thread_keeps_its_stream(fake_gpu):
+    """workers=0 prepares on the training thread itself: nothing to isolate, no stream, no wait."""
+    list(recording_loader(fake_gpu, workers=0))
+    assert not fake_gpu.made
+    assert {(kind, current) for kind, _, current in fake_gpu.events} == {("prepare", None), ("collate", None)}
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_on_the_gpu_the_threads_use_a_stream_of_their_own():
+    import cupy
+
+    def run(workers):
+        seen = []
+
+        def prepare(points, labels, rng):
+            seen.append(cupy.cuda.get_current_stream().ptr)
+            c, f = tiny_item(points)
+            return cupy.asarray(c), cupy.asarray(f)
+
+        batches = [to_host(b.tensor.features).tolist()
+                   for b in data.Loader(tiny_scans(6), 2, prepare, shuffle=False, workers=workers)]
+        return batches, set(seen)
+
+    threaded, streams = run(2)
+    calling, calling_streams = run(0)
+    assert threaded == calling
+    assert streams == {data.loader_stream().ptr} and 0 not in streams
+    assert calling_streams == {cupy.cuda.get_current_stream().ptr}
