@@ -65,7 +65,6 @@ from ..core.device import array_module, gpu_present, simulating
 from ..core.backend import like, resolve_backend, to_device, to_host
 from ..train.conv_gradient import sparse_conv3d_backward
 from ..gmas.conv import convolve
-from ..core.launch import launch
 from ..core.tensor import CoordinateMaps, SparseTensor, map_key, same_coordinates
 
 _BACKEND = contextvars.ContextVar("numba_sc_nn_backend", default=None)
@@ -648,27 +647,30 @@ class BatchNorm(Module):
         batch: each rank's column sums (and row count) are summed over the ranks in
         one all-reduce, then every rank finishes its own rows. The parameter
         gradients returned are this rank's own sums: the gradient all-reduce of the
-        training step adds the ranks' shares up, as it does for every parameter."""
-        ref = bk == "reference"
-        g, x, y = (to_host(g), to_host(x), to_host(y)) if ref else (to_device(g), to_device(x), to_device(y))
-        xp = array_module(x)
-        mean, var = xp.asarray(mean, np.float32), xp.asarray(var, np.float32)
-        weight = like(self.weight, x).astype(np.float32, copy=False)
-        inv_std = (1.0 / xp.sqrt(var + np.float32(self.eps))).astype(np.float32)
-        gm = pw.relu_backward(g, y, backend=bk) if relu else g  # the gradient past the ReLU
+        training step adds the ranks' shares up, as it does for every parameter.
+        On the device these are the library's two steps with the all-reduce between
+        them: :func:`~numba_sc.nn.pointwise.batch_norm_backward_sums` (whose array
+        already holds the row count) and
+        :func:`~numba_sc.nn.pointwise.batch_norm_backward_input`."""
+        if bk != "reference":  # the one-GPU path's two steps, the all-reduce between them
+            sums = pw.batch_norm_backward_sums(g, x, y, mean, var, self.eps, relu)
+            own = sums.copy()  # this rank's dbias and dweight: the all-reduce works in place
+            self.comm.all_reduce(sums)  # the whole batch's sums, and its row count
+            dx, dres = pw.batch_norm_backward_input(g, x, y, self.weight, mean, var, self.eps, relu, sums)
+            c = self.num_features
+            return dx, own[c:2 * c], own[:c], dres
+        g, x, y = to_host(g), to_host(x), to_host(y)
+        mean, var = np.asarray(mean, np.float32), np.asarray(var, np.float32)
+        inv_std = (1.0 / np.sqrt(var + np.float32(self.eps))).astype(np.float32)
+        gm = pw.relu_backward_reference(g, y) if relu else g  # the gradient past the ReLU
         gf = gm.astype(np.float32, copy=False)
         xhat = (x.astype(np.float32, copy=False) - mean) * inv_std
         dbias, dweight = pw.column_sums(gf), pw.column_sums(gf * xhat)
         c = dbias.shape[0]
-        sums = xp.concatenate([dbias, dweight, xp.full(1, x.shape[0], np.float32)])
+        sums = np.concatenate([dbias, dweight, np.full(1, x.shape[0], np.float32)])
         self.comm.all_reduce(sums)  # in place: the whole batch's sums, and its row count
         a, b = sums[:c] / sums[2 * c], sums[c:2 * c] / sums[2 * c]
-        if ref:
-            dx = ((weight * inv_std) * (gf - a - xhat * b)).astype(g.dtype)
-        else:  # the one-GPU path's kernel, given the whole batch's a and b
-            dx = xp.empty(g.shape, g.dtype)
-            launch(pw.batch_norm_backward_kernel, g.size, g, x, y, bool(relu), (weight * inv_std).astype(np.float32),
-                   mean, inv_std, a.astype(np.float32), b.astype(np.float32), dx)
+        dx = ((to_host(self.weight).astype(np.float32) * inv_std) * (gf - a - xhat * b)).astype(g.dtype)
         return dx, dweight, dbias, gm
 
     def _batch_statistics(self, features, bk):

@@ -352,8 +352,11 @@ def concat(a, b, backend=None):
 #
 # where, in training mode (the statistics are the batch's own, so they depend
 # on every x_i), ``a = dL/dbias / N`` and ``b = dL/dweight / N``; at inference
-# (fixed running statistics) ``a = b = 0``. The two sums are reductions over the
-# rows, left to the array library; one kernel then writes dL/dx.
+# (fixed running statistics) ``a = b = 0``. Two rungs: v1 leaves the two sums
+# (reductions over the rows) to the array library and one kernel writes dL/dx; v2,
+# the library's, reads g, x and y once for both sums in one kernel and once more
+# for dL/dx in a second (:func:`batch_norm_backward_v2`; what it bought is in
+# ``benchmarks/results/batchnorm_backward.json``).
 def relu_backward_reference(g, y):
     """NumPy: ``g * (y > 0)``."""
     g = np.asarray(g)
@@ -423,11 +426,23 @@ def batch_norm_backward(g, x, y, weight, mean, var, eps=1e-5, relu=False, traini
     """Gradients of :func:`batch_norm` (module section above): ``(dx, dweight, dbias,
     dresidual)``; ``dresidual`` is ``g`` after the ReLU's mask (what a residual
     operand receives), the others as named. ``mean``/``var``: the statistics the
-    forward normalized with."""
+    forward normalized with. The library's path is :func:`batch_norm_backward_v2`."""
     _check_pair(g, x, "g", "x")
+    _check_pair(g, y, "g", "y")
+    c = g.shape[1]
+    _check_channel_params(c, weight=weight, mean=mean, var=var)
     if resolve_backend(backend) == "reference":
         return batch_norm_backward_reference(to_host(g), to_host(x), to_host(y), to_host(weight),
                                              to_host(mean), to_host(var), eps, relu, training)
+    return batch_norm_backward_v2(g, x, y, weight, mean, var, eps, relu, training)
+
+
+def batch_norm_backward_v1(g, x, y, weight, mean, var, eps=1e-5, relu=False, training=True):
+    """v1 of the backward's ladder: the formula above as array-library calls, one
+    step each (the ReLU's mask, the two column sums as matrix-vector products, the
+    per-channel divisions), then :func:`batch_norm_backward_kernel` for ``dx``.
+    Plain to read, but about a dozen launches a layer and two temporaries the size
+    of the features (``g`` in float32 and ``g * xhat``)."""
     xp = device_xp()
     gd, xd, yd = to_device(g), to_device(x), to_device(y)
     mean, var, weight = _f32(mean), _f32(var), _f32(weight)
@@ -443,6 +458,157 @@ def batch_norm_backward(g, x, y, weight, mean, var, eps=1e-5, relu=False, traini
     launch(batch_norm_backward_kernel, gd.size, gd, xd, yd, bool(relu), (weight * inv_std).astype(np.float32),
            mean, inv_std, a.astype(np.float32), b.astype(np.float32), out)
     return out, dweight, dbias, gm
+
+
+# v2: two kernels. Kernel A (:func:`batch_norm_backward_sums_v2`) reads g, x and y
+# once and adds, per channel, sum(g') and sum(g' * xhat) into a small float32 array
+# ``sums`` = [sum g' (C) | sum g' * xhat (C) | N]; kernel B
+# (:func:`batch_norm_backward_input_v2`) reads them back and writes dx (and the
+# masked g, when a ReLU made one). Three launches in all (the zeroing of ``sums``
+# is the third) and no temporary the size of the features. The layout of ``sums``
+# is what a synced BatchNorm all-reduces as it is: the row count rides along.
+SUMS_THREADS = 256  # threads per block of kernel A (its shared-memory tile is this size)
+SUMS_ROWS_PER_THREAD = 16  # rows each thread of kernel A adds up, at least (fewer blocks: fewer atomics)
+SUMS_MAX_BLOCKS = 1024  # enough blocks to fill an H100/H200 (132 SMs, 8 such blocks each)
+
+
+@cuda.jit(fastmath=True)
+def batch_norm_backward_sums_v2(g, x, y, relu, mean, var, eps, tiles, sums):
+    """Kernel A: add each channel's ``sum(g')`` and ``sum(g' * xhat)`` into ``sums``
+    (zeroed by the caller), ``g' = g * (y > 0)`` when ``relu``.
+
+    A block of :data:`SUMS_THREADS` threads is a grid of ``lanes`` rows by
+    ``width = min(C, SUMS_THREADS)`` channels: thread ``t`` takes lane ``t // width``
+    and channel ``t % width`` of its channel tile (block ``b`` takes tile
+    ``b % tiles``). The lanes of a block cover ``lanes`` consecutive rows, so its
+    threads read one contiguous stretch of memory, and each thread walks down its
+    channel, ``lanes * blocks`` rows at a time, keeping its two sums in registers.
+    Then the block adds its lanes together in shared memory (a tree: lane ``r``
+    takes lane ``r + step``, step 1, 2, 4, ...) and lane 0 makes one atomic add per
+    channel and sum into ``sums``.
+
+    Why atomics and not a second reduction kernel: both are three launches (here
+    the third is the zeroing of ``sums``), and this one is a single short kernel; the
+    atomics are few (two per channel per block, at most :data:`SUMS_MAX_BLOCKS`
+    blocks). The price: float additions in an order that varies from run to run,
+    so the sums may differ in their last bits between two runs.
+    """
+    channels = g.shape[1]
+    rows = g.shape[0]
+    width = min(channels, SUMS_THREADS)
+    lanes = SUMS_THREADS // width
+    t = cuda.threadIdx.x
+    lane = t // width
+    tile = cuda.blockIdx.x % tiles
+    c = tile * width + (t - lane * width)
+    active = lane < lanes and c < channels  # the last few threads idle when width does not divide the block
+    s_g = float32(0.0)
+    s_gx = float32(0.0)
+    if active:
+        m = mean[c]
+        inv_std = float32(1.0) / math.sqrt(var[c] + float32(eps))
+        i = (cuda.blockIdx.x // tiles) * lanes + lane
+        stride = (cuda.gridDim.x // tiles) * lanes
+        while i < rows:
+            gv = float32(g[i, c])
+            if relu and not y[i, c] > 0:
+                gv = float32(0.0)
+            s_g += gv
+            s_gx += gv * (float32(x[i, c]) - m)
+            i += stride
+        s_gx *= inv_std  # sum(g' * (x - mean)) * inv_std = sum(g' * xhat): one multiply, not one a row
+    part = cuda.shared.array((2, SUMS_THREADS), float32)
+    part[0, t] = s_g
+    part[1, t] = s_gx
+    cuda.syncthreads()
+    step = 1
+    while step < lanes:  # the same count in every thread: each reaches every syncthreads
+        if lane % (2 * step) == 0 and lane + step < lanes:
+            part[0, t] += part[0, t + step * width]
+            part[1, t] += part[1, t + step * width]
+        cuda.syncthreads()
+        step *= 2
+    if lane == 0 and c < channels:
+        cuda.atomic.add(sums, c, part[0, t])
+        cuda.atomic.add(sums, channels + c, part[1, t])
+    if t == 0 and cuda.blockIdx.x == 0:
+        sums[2 * channels] = float32(rows)  # (exact up to 2**24 rows)
+
+
+@lru_cache(maxsize=None)
+def batch_norm_backward_input_v2(channels: int):
+    """Kernel B, compiled for one channel count with fast math (as :func:`batch_norm_v2`):
+    one thread per value, ``dx = weight * inv_std * (g' - a - xhat * b)`` with ``a =
+    sums[c] / N`` and ``b = sums[C + c] / N`` read from kernel A's ``sums`` in training
+    mode (0 at inference), and ``inv_std`` computed here (a root per value is cheaper
+    than a launch). When ``write_masked``, also writes ``g'`` into ``masked``."""
+    C = np.uint64(channels)
+
+    @cuda.jit(fastmath=True)
+    def batch_norm_backward_input(g, x, y, relu, weight, mean, var, eps, sums, training, out, masked,
+                                  write_masked):
+        t = uint64(cuda.grid(1))
+        if t < uint64(g.shape[0]) * C:
+            i = t // C
+            c = t - i * C
+            gv = float32(g[i, c])
+            if relu and not y[i, c] > 0:
+                gv = float32(0.0)
+            if write_masked:
+                masked[i, c] = gv
+            inv_std = float32(1.0) / math.sqrt(var[c] + float32(eps))
+            xhat = (float32(x[i, c]) - mean[c]) * inv_std
+            v = gv
+            if training:
+                n = sums[uint64(2) * C]
+                v = gv - sums[c] / n - xhat * (sums[C + c] / n)
+            out[i, c] = weight[c] * inv_std * v
+
+    return batch_norm_backward_input
+
+
+def batch_norm_backward_sums(g, x, y, mean, var, eps=1e-5, relu=False):
+    """Step A of :func:`batch_norm_backward_v2` on device arrays: a new float32 array
+    ``[sum g' (C) | sum g' * xhat (C) | N]`` (``dbias``, ``dweight`` and the row
+    count). A synced BatchNorm all-reduces it between steps A and B."""
+    gd = to_device(g)
+    n, c = gd.shape
+    sums = device_xp().zeros(2 * c + 1, np.float32)
+    width = min(c, SUMS_THREADS)
+    tiles = -(-c // width)
+    lanes = SUMS_THREADS // width
+    per_block = lanes * SUMS_ROWS_PER_THREAD
+    blocks = tiles * max(1, min(-(-n // per_block), SUMS_MAX_BLOCKS // tiles))
+    if n > 0:
+        launch(batch_norm_backward_sums_v2, 1, gd, to_device(x), to_device(y), bool(relu), _f32(mean), _f32(var),
+               float(eps), tiles, sums, threads=SUMS_THREADS, blocks=blocks)
+    return sums
+
+
+def batch_norm_backward_input(g, x, y, weight, mean, var, eps, relu, sums, training=True):
+    """Step B of :func:`batch_norm_backward_v2` on device arrays: ``(dx, dresidual)``
+    from ``sums`` (step A's, or their all-reduce over ranks). ``dresidual`` is the
+    masked ``g`` when ``relu`` (written by the same kernel), else ``g`` itself."""
+    gd = to_device(g)
+    out = device_xp().empty(gd.shape, gd.dtype)
+    # without a ReLU, g is its own masked gradient: g stands in for ``masked``, never
+    # written (not ``out``: the simulator copies each array argument back after the
+    # kernel, so an unwritten alias of ``out`` would overwrite it)
+    masked = device_xp().empty(gd.shape, gd.dtype) if relu else gd
+    launch(batch_norm_backward_input_v2(gd.shape[1]), gd.size, gd, to_device(x), to_device(y), bool(relu),
+           _f32(weight), _f32(mean), _f32(var), float(eps), sums, bool(training), out, masked, bool(relu))
+    return out, masked
+
+
+def batch_norm_backward_v2(g, x, y, weight, mean, var, eps=1e-5, relu=False, training=True):
+    """v2 of the backward's ladder (the library's): step A, the two per-channel sums in
+    one pass (:func:`batch_norm_backward_sums`), then step B, the input gradient
+    (:func:`batch_norm_backward_input`). ``dbias`` and ``dweight`` are views into A's
+    ``sums``."""
+    sums = batch_norm_backward_sums(g, x, y, mean, var, eps, relu)
+    c = sums.shape[0] // 2
+    dx, dres = batch_norm_backward_input(g, x, y, weight, mean, var, eps, relu, sums, training)
+    return dx, sums[c:2 * c], sums[:c], dres
 
 
 # -------------------------------------------------------------------- the ladder
@@ -476,4 +642,36 @@ LADDER = Ladder(
     # the GPU fuses a multiply and an add (and v2 approximates the root and the
     # division): a float32 ulp or two, which may move a fp16 rounding by one ulp
     tolerance={"float32": 4e-6, "float16": 2e-3},
+)
+
+
+# BatchNorm's backward in training mode, with the ReLU's mask (the training step
+# runs it after every convolution). Declared beside the module's ``LADDER`` (the
+# forward's): the rungs are host functions, v1 about a dozen launches, v2 three.
+def _backward_work(ctx):
+    """The forward's workload plus ``g`` (N, C) and the forward's output ``y`` (its
+    ReLU's mask), with the batch's own statistics, as in training."""
+    w = _ladder_work(ctx)
+    x = w["features"]
+    weight, bias = w["bn"][0], w["bn"][1]
+    mean, var = batch_statistics(x)
+    y = batch_norm_rung("v2", x, weight, bias, mean, var, 1e-5, w["residual"], True)
+    return dict(w, g=ctx.normal("grad", x.shape), y=y, stats=(mean.astype(np.float32), var.astype(np.float32)))
+
+
+def _backward_rung(name, fn, adds):
+    return Rung(name, lambda w: fn(w["g"], w["features"], w["y"], w["bn"][0], *w["stats"], 1e-5, True, True), adds)
+
+
+BACKWARD_LADDER = Ladder(
+    "batch_norm_backward",
+    (_backward_rung("v1", batch_norm_backward_v1, "array-library steps and one kernel for dx (~12 launches)"),
+     _backward_rung("v2", batch_norm_backward_v2, "the sums in one pass, dx in one kernel (3 launches)")),
+    workload=_backward_work,
+    reference=lambda w: batch_norm_backward_reference(*[to_host(w[k]) for k in ("g", "features", "y")],
+                                                      to_host(w["bn"][0]), *[to_host(s) for s in w["stats"]],
+                                                      1e-5, True, True)[0],
+    collect=lambda res: to_host(res[0]),  # dx: in training mode it reads both sums
+    # float32 arithmetic against float64, the sums in another order; half: one rounding
+    tolerance={"float32": 2e-5, "float16": 2e-3},
 )

@@ -148,6 +148,94 @@ def test_batch_norm_backward(training, relu, residual):
     assert np.abs(wrong - dx).max() > 1e-3 or not training
 
 
+def _bn_backward_case(n, c, dtype, relu, seed=5):
+    """g, x, y (the forward's output: BatchNorm of x with the batch's statistics, plus a
+    residual, then the ReLU when asked) in ``dtype``, and float32 weight, mean, var."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((n, c)) * 2 + 1).astype(dtype)
+    g = rng.standard_normal((n, c)).astype(dtype)
+    wt = rng.uniform(0.5, 1.5, c).astype(np.float32)
+    b = rng.normal(0, 0.3, c).astype(np.float32)
+    m, v = x.astype(np.float64).mean(0).astype(np.float32), x.astype(np.float64).var(0).astype(np.float32)
+    r = rng.standard_normal((n, c)).astype(dtype)
+    y = pw.batch_norm_reference(x, wt, b, m, v, 1e-5, r, relu)
+    return g, x, y, wt, m, v
+
+
+def _bn_backward_close(got, want, tol):
+    """Each of (dx, dweight, dbias) within ``tol`` of the reference, relative to its largest value."""
+    return all(np.abs(to_host(a).astype(np.float64) - w).max() <= tol * max(1.0, np.abs(w).max())
+               for a, w in zip(got[:3], want[:3]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("relu", [True, False])
+def test_batch_norm_backward_v2_equals_reference(dtype, relu):
+    """The library's two-kernel backward against the float64 reference (v1: in
+    :func:`test_batch_norm_backward_ladder`): 13 channels (a block of the sums kernel
+    is 19 rows of 13, 9 threads idle), 150 rows (not a multiple of 19 or of a block:
+    the last rows partly filled; several blocks in the test below), training mode; the
+    residual's gradient is the masked g exactly. Tolerances as in
+    :func:`test_batch_norm_backward` (float32), and one half-precision rounding of the
+    result for float16. Once (float16, ReLU): inference mode, 260 channels (two
+    channel tiles of the sums kernel)."""
+    g, x, y, wt, m, v = _bn_backward_case(150, 13, dtype, relu)
+    want = pw.batch_norm_backward_reference(g, x, y, wt, m, v, 1e-5, relu, True)
+    tol = 1e-4 if dtype == np.float32 else 2e-3
+    got = pw.batch_norm_backward_v2(g, x, y, wt, m, v, 1e-5, relu, True)
+    assert to_host(got[0]).dtype == dtype and to_host(got[3]).dtype == dtype
+    assert _bn_backward_close(got, want, tol)
+    np.testing.assert_array_equal(to_host(got[3]), want[3])
+    if dtype == np.float32 or not relu:
+        return
+    # inference mode (a = b = 0) through the library's entry, wider than a block's 256 channels
+    g, x, y, wt, m, v = _bn_backward_case(9, 260, dtype, relu)
+    got = pw.batch_norm_backward(g, x, y, wt, m, v, 1e-5, relu, training=False, backend="cuda")
+    assert _bn_backward_close(got, pw.batch_norm_backward_reference(g, x, y, wt, m, v, 1e-5, relu, False), tol)
+
+
+def test_batch_norm_backward_sums_see_every_row_and_channel():
+    """Off-by-one catcher for the sums kernel: a gradient that is 1 at a single value
+    must give a dbias that is 1 at that channel and 0 elsewhere, exactly (the sums
+    start at zero), wherever the value is: the first and last row and channel, and the
+    first row of the second block. The same comparison rejects a planted answer that
+    drops the last row or shifts the channels by one."""
+    n, c = 331, 13
+    g, x, y, wt, m, v = _bn_backward_case(n, c, np.float32, False)
+    per_block = (pw.SUMS_THREADS // c) * pw.SUMS_ROWS_PER_THREAD
+    for i, j in ((0, 0), (n - 1, c - 1), (per_block, 5), (per_block - 1, 12)):
+        one = np.zeros((n, c), np.float32)
+        one[i, j] = 1
+        sums = to_host(pw.batch_norm_backward_sums(one, x, y, m, v, 1e-5, relu=False))
+        want = np.zeros(c, np.float32)
+        want[j] = 1
+        np.testing.assert_array_equal(sums[:c], want, err_msg=f"one at ({i}, {j})")
+        assert sums[2 * c] == n
+        assert sums[c + j] == pytest.approx((x[i, j] - m[j]) / np.sqrt(v[j] + 1e-5), rel=1e-5)
+    want = pw.batch_norm_backward_reference(g, x, y, wt, m, v, 1e-5, False, True)
+    assert _bn_backward_close(want, want, 1e-4)
+    dropped = pw.batch_norm_backward_reference(g[:-1], x[:-1], y[:-1], wt, m, v, 1e-5, False, True)
+    assert not _bn_backward_close((np.vstack([dropped[0], want[0][-1:]]),) + dropped[1:3], want, 1e-4)
+    shifted = [np.roll(a, 1, axis=-1) for a in want[:3]]
+    assert not _bn_backward_close(shifted, want, 1e-4)
+
+
+def test_batch_norm_backward_ladder():
+    """The backward's ladder declaration: both rungs within its tolerance of its
+    reference (relative to the largest value), on a tiny crop."""
+    from numba_sc.core.rungs import Context
+
+    ladder = pw.BACKWARD_LADDER
+    assert ladder.names == ("v1", "v2")
+    coords = to_host(scan_crop(25).coords)  # (the workload reads only the row count)
+    for dtype in ("float32", "float16"):
+        work = ladder.workload(Context(coords=coords, channels=13, dtype=dtype))
+        want = ladder.reference(work)
+        for name in ladder.names:
+            got = ladder.result(name, work)
+            assert np.abs(got.astype(np.float64) - want).max() <= ladder.tolerance[dtype] * np.abs(want).max()
+
+
 def test_relu_backward():
     g = np.array([[1.0, -2.0], [3.0, 4.0]], np.float32)
     y = np.array([[0.5, 0.0], [-1.0, 2.0]], np.float32)
