@@ -460,22 +460,24 @@ def batch_norm_backward_v1(g, x, y, weight, mean, var, eps=1e-5, relu=False, tra
     return out, dweight, dbias, gm
 
 
-# v2: two kernels. Kernel A (:func:`batch_norm_backward_sums_v2`) reads g, x and y
-# once and adds, per channel, sum(g') and sum(g' * xhat) into a small float32 array
-# ``sums`` = [sum g' (C) | sum g' * xhat (C) | N]; kernel B
+# v2: two passes. Kernel A (:func:`batch_norm_backward_sums_v2`) reads g, x and y
+# once and leaves, per block and channel, its share of sum(g') and sum(g' * xhat);
+# kernel A2 (:func:`batch_norm_backward_total_v2`) adds the shares in a fixed order
+# into a small float32 array ``sums`` = [sum g' (C) | sum g' * xhat (C) | N]; kernel B
 # (:func:`batch_norm_backward_input_v2`) reads them back and writes dx (and the
-# masked g, when a ReLU made one). Three launches in all (the zeroing of ``sums``
-# is the third) and no temporary the size of the features. The layout of ``sums``
-# is what a synced BatchNorm all-reduces as it is: the row count rides along.
+# masked g, when a ReLU made one). Three launches in all and no temporary the size
+# of the features. The layout of ``sums`` is what a synced BatchNorm all-reduces as
+# it is: the row count rides along.
 SUMS_THREADS = 256  # threads per block of kernel A (its shared-memory tile is this size)
-SUMS_ROWS_PER_THREAD = 16  # rows each thread of kernel A adds up, at least (fewer blocks: fewer atomics)
+SUMS_ROWS_PER_THREAD = 16  # rows each thread of kernel A adds up, at least (fewer blocks: shorter columns for A2)
 SUMS_MAX_BLOCKS = 1024  # enough blocks to fill an H100/H200 (132 SMs, 8 such blocks each)
 
 
 @cuda.jit(fastmath=True)
-def batch_norm_backward_sums_v2(g, x, y, relu, mean, var, eps, tiles, sums):
-    """Kernel A: add each channel's ``sum(g')`` and ``sum(g' * xhat)`` into ``sums``
-    (zeroed by the caller), ``g' = g * (y > 0)`` when ``relu``.
+def batch_norm_backward_sums_v2(g, x, y, relu, mean, var, eps, tiles, partials):
+    """Kernel A: each block's share of every channel's ``sum(g')`` and
+    ``sum(g' * xhat)``, ``g' = g * (y > 0)`` when ``relu``, written to its row of
+    ``partials`` (``[sums of g' (C) | sums of g' * xhat (C)]``).
 
     A block of :data:`SUMS_THREADS` threads is a grid of ``lanes`` rows by
     ``width = min(C, SUMS_THREADS)`` channels: thread ``t`` takes lane ``t // width``
@@ -484,14 +486,16 @@ def batch_norm_backward_sums_v2(g, x, y, relu, mean, var, eps, tiles, sums):
     threads read one contiguous stretch of memory, and each thread walks down its
     channel, ``lanes * blocks`` rows at a time, keeping its two sums in registers.
     Then the block adds its lanes together in shared memory (a tree: lane ``r``
-    takes lane ``r + step``, step 1, 2, 4, ...) and lane 0 makes one atomic add per
-    channel and sum into ``sums``.
+    takes lane ``r + step``, step 1, 2, 4, ...) and lane 0 writes the block's two
+    sums of its channel to the block's row of ``partials``;
+    :func:`batch_norm_backward_total_v2` adds the rows.
 
-    Why atomics and not a second reduction kernel: both are three launches (here
-    the third is the zeroing of ``sums``), and this one is a single short kernel; the
-    atomics are few (two per channel per block, at most :data:`SUMS_MAX_BLOCKS`
-    blocks). The price: float additions in an order that varies from run to run,
-    so the sums may differ in their last bits between two runs.
+    Why a second kernel and not one atomic add per block into the sums: float
+    atomics add in whichever order the blocks finish, so the sums, and every weight
+    trained from them, would differ in their last bits from run to run, and a
+    training run resumed from a checkpoint could not repeat the uninterrupted run's
+    losses. Adding the rows in a fixed order costs one tiny launch, which replaces
+    the zeroing that atomics would have needed.
     """
     channels = g.shape[1]
     rows = g.shape[0]
@@ -529,10 +533,24 @@ def batch_norm_backward_sums_v2(g, x, y, relu, mean, var, eps, tiles, sums):
         cuda.syncthreads()
         step *= 2
     if lane == 0 and c < channels:
-        cuda.atomic.add(sums, c, part[0, t])
-        cuda.atomic.add(sums, channels + c, part[1, t])
-    if t == 0 and cuda.blockIdx.x == 0:
-        sums[2 * channels] = float32(rows)  # (exact up to 2**24 rows)
+        r = cuda.blockIdx.x // tiles
+        partials[r, c] = part[0, t]
+        partials[r, channels + c] = part[1, t]
+
+
+@cuda.jit
+def batch_norm_backward_total_v2(partials, rows, sums):
+    """Kernel A2: ``sums[j]`` = the column ``j`` of ``partials`` added top to bottom
+    (one thread a column, a fixed order: the same bits every run), and the row count
+    after the ``2 C`` sums (exact up to 2**24 rows)."""
+    j = cuda.grid(1)
+    if j < partials.shape[1]:
+        s = float32(0.0)
+        for r in range(partials.shape[0]):
+            s += partials[r, j]
+        sums[j] = s
+    if j == 0:
+        sums[partials.shape[1]] = float32(rows)
 
 
 @lru_cache(maxsize=None)
@@ -573,15 +591,19 @@ def batch_norm_backward_sums(g, x, y, mean, var, eps=1e-5, relu=False):
     count). A synced BatchNorm all-reduces it between steps A and B."""
     gd = to_device(g)
     n, c = gd.shape
-    sums = device_xp().zeros(2 * c + 1, np.float32)
+    xp = device_xp()
+    if n == 0:
+        return xp.zeros(2 * c + 1, np.float32)
     width = min(c, SUMS_THREADS)
     tiles = -(-c // width)
     lanes = SUMS_THREADS // width
     per_block = lanes * SUMS_ROWS_PER_THREAD
-    blocks = tiles * max(1, min(-(-n // per_block), SUMS_MAX_BLOCKS // tiles))
-    if n > 0:
-        launch(batch_norm_backward_sums_v2, 1, gd, to_device(x), to_device(y), bool(relu), _f32(mean), _f32(var),
-               float(eps), tiles, sums, threads=SUMS_THREADS, blocks=blocks)
+    groups = max(1, min(-(-n // per_block), SUMS_MAX_BLOCKS // tiles))  # blocks down the rows
+    partials = xp.empty((groups, 2 * c), np.float32)  # every entry written by kernel A
+    sums = xp.empty(2 * c + 1, np.float32)
+    launch(batch_norm_backward_sums_v2, 1, gd, to_device(x), to_device(y), bool(relu), _f32(mean), _f32(var),
+           float(eps), tiles, partials, threads=SUMS_THREADS, blocks=tiles * groups)
+    launch(batch_norm_backward_total_v2, 2 * c, partials, n, sums)
     return sums
 
 
