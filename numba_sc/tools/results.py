@@ -101,7 +101,8 @@ SPCONV = ("spconv Native", "spconv MaskImplicitGemm")
 
 
 def ratio(network_run, ours="numba-sc", peers=SPCONV):
-    """Our time over the best peer's in one ``bench_net`` run (its ``network`` block):
+    """Our time over the best peer's in one ``bench_net`` run (its ``network`` block), or
+    in any block of ``{contender: {"ms": ...}}`` (a ``bench_train`` run's ``step``):
     below 1 we are faster."""
     times = network_run["network"] if "network" in network_run else network_run
     return times[ours]["ms"] / min(times[p]["ms"] for p in peers)

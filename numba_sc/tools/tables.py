@@ -14,6 +14,8 @@ notebook prints the same table with ``print(tables.network_table(results.load("n
 """
 from __future__ import annotations
 
+from .results import SPCONV, ratio, times, versus
+
 __all__ = ["TABLES", "ab_map_table", "conv_table", "generalize_table", "ladder_table", "layer_kinds_table", "map_methods_table",
            "map_table", "network_table", "single_layers_table", "train_curve_table", "train_step_table",
            "voxelize_table"]
@@ -22,7 +24,6 @@ NETS = {"resnet21": "ResNet21", "unet42": "MinkUNet42"}
 CLOUDS = {"kitti": "SemanticKITTI", "scannet": "ScanNet", "sunrgbd": "SUN RGB-D", "random": "1M random",
           "random1M": "1M random", "dense": "dense (1M at stride 4)"}
 DTYPES = {"float32": "fp32", "float16": "fp16"}
-SPCONV = ("spconv Native", "spconv MaskImplicitGemm")
 
 
 def _table(header, rows) -> str:
@@ -44,11 +45,10 @@ def network_table(r) -> str:
     rows = []
     for x in r["runs"]:
         t = {k: v["ms"] for k, v in x["network"].items()}
-        best = min(t[p] for p in SPCONV)
         err = x["rel_err"]
         row = [NETS.get(x["net"], x["net"]), f"{CLOUDS.get(x['cloud'], x['cloud'])} ({x['n']:,})",
                DTYPES[x["dtype"]], f"{t['numba-sc']:.2f}", f"{t['spconv Native']:.2f}",
-               f"{t['spconv MaskImplicitGemm']:.2f}", f"**{_x(t['numba-sc'] / best)}**",
+               f"{t['spconv MaskImplicitGemm']:.2f}", f"**{_x(ratio(x))}**",
                f"{err['Native']:.1e} / {err['MaskImplicitGemm']:.1e}"]
         if own:
             o = [x["network"][k]["ms"] for k in ("(Native, own outputs)", "(MaskImplicitGemm, own outputs)")
@@ -98,11 +98,10 @@ def train_step_table(r) -> str:
     rows = []
     for x in r["runs"]:
         t = {k: v["ms"] for k, v in x["step"].items()}
-        best = min(t[p] for p in SPCONV)
         rows.append([NETS.get(x["net"], x["net"]), f"{CLOUDS.get(x['cloud'], x['cloud'])} ({x['n']:,})",
                      f"{t['numba-sc']:.1f} ({t['numba-sc forward only']:.1f})", f"{t['spconv Native']:.1f}",
                      f"{t['spconv MaskImplicitGemm']:.1f}", _x(t["numba-sc"] / t["spconv Native"]),
-                     _x(t["numba-sc"] / best)])
+                     _x(ratio(x["step"]))])
     return _table(["network", "cloud (voxels)", "ours (forward alone)", "spconv Native", "spconv MaskImplicitGemm",
                    "ours / Native", "ours / best"], rows)
 
@@ -116,18 +115,14 @@ def train_curve_table(r) -> str:
                    ["mIoU"] + [f"{x['miou']:.3f}" for x in h]])
 
 
-def _times(block, key="host_ms"):
-    return {name.rpartition(" / ")[2]: t[key] for name, t in block.get("times", block).items()}
-
-
 def map_methods_table(r) -> str:
     """``bench_alternatives.py --only map``: every Map method and spconv's, host ms."""
     rows = []
     for cloud, c in r["clouds"].items():
-        t = _times(c["map"])
+        t = times(c["map"])
         rows.append([CLOUDS.get(cloud, cloud), f"{c['voxels']:,}"]
                     + [f"{t[m]:.3f}" if m in t else "refused" for m in ("sorted", "hash", "grid", "spconv")]
-                    + [_x(t["sorted"] / t["spconv"])])
+                    + [_x(versus(c["map"], "sorted"))])
     return _table(["cloud", "voxels", "sorted (Minuet)", "hash", "grid", "spconv", "sorted / spconv"], rows)
 
 
@@ -139,8 +134,7 @@ def single_layers_table(r) -> str:
         ratios = {}
         for name, block in c.items():
             if name.startswith("layer"):
-                t = _times(block)
-                ratios[name[len("layer "):]] = t["auto"] / min(v for k, v in t.items() if k.startswith("spconv"))
+                ratios[name[len("layer "):]] = versus(block, "auto")
         over = [f"{k} {_x(v)}" for k, v in ratios.items() if v > 1]
         rows.append([CLOUDS.get(cloud, cloud), len(ratios), f"{min(ratios.values()):.2f}-{_x(max(ratios.values()))}",
                      len(over), "; ".join(over) or "none"])
@@ -184,7 +178,7 @@ def ab_map_table(r) -> str:
     interleaved, host ms (``assume_sorted=True``)."""
     rows = []
     for cloud, c in r["clouds"].items():
-        t = _times(c)
+        t = times(c)
         rows.append([CLOUDS.get(cloud, cloud), f"{t['new']:.3f}", f"{t['base']:.3f}", f"{t['spconv']:.3f}",
                      _x(t["new"] / t["spconv"]), _x(t["new"] / t["base"])])
     return _table(["cloud", "ours", "baseline", "spconv", "ours / spconv", "ours / baseline"], rows)
