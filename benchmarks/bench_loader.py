@@ -87,7 +87,7 @@ from pathlib import Path
 import numpy as np
 
 import common
-from common import find_data, interleaved, recorded
+from common import CyclingScans, find_data, interleaved, recorded, scan_crops
 
 
 # ------------------------------------------------------------------ the set-up
@@ -100,29 +100,6 @@ def _on_gpu():
 def _sync():
     """Wait for all work on the device, on every stream (``common.sync``)."""
     common.sync()
-
-
-def _crops(data, n, size, seed=0):
-    """``n`` crops of the shared scan: (points, raw labels) each."""
-    from numba_sc.train import augment, labels
-
-    points = np.fromfile(Path(data) / common.KITTI, np.float32).reshape(-1, 4)
-    raw = labels.load_semantickitti_labels(Path(data) / common.KITTI.replace(".bin", ".label"))
-    rng = np.random.default_rng(seed)
-    return [augment.crop(points, raw, rng, size) for _ in range(n)]
-
-
-class _Scans:
-    """``length`` scans cycling through ``crops`` (each index gets its own augmentation)."""
-
-    def __init__(self, crops, length):
-        self.crops, self.length = crops, length
-
-    def __len__(self):
-        return self.length
-
-    def __getitem__(self, i):
-        return self.crops[i % len(self.crops)]
 
 
 def _prepare(points, raw, rng):
@@ -150,7 +127,7 @@ def _loader(crops, args, batches, workers, prepare=_prepare, **kwargs):
     """``batches`` batches of ``args.batch`` scans, made as ``numba-sc train`` makes them (one rank)."""
     from numba_sc.train import parallel
 
-    return parallel.ShardedLoader(_Scans(crops, args.batch * batches), args.batch, prepare, seed=1,
+    return parallel.ShardedLoader(CyclingScans(crops, args.batch * batches), args.batch, prepare, seed=1,
                                   shuffle=False, workers=workers, prefetch=args.prefetch, **kwargs)
 
 
@@ -203,7 +180,7 @@ def amp_against_fp32(args, crops, log):
     calls = 1 + args.amp_warmup + args.rounds * (1 + args.block)  # (1: the step that compiles)
     kinds = ("fp32", "amp")
     n_items = args.batch * args.amp_batches
-    items = [_prepare(*_Scans(crops, n_items)[i], np.random.default_rng([1, 0, i])) for i in range(n_items)]
+    items = [_prepare(*CyclingScans(crops, n_items)[i], np.random.default_rng([1, 0, i])) for i in range(n_items)]
     voxels = [int(x.coords.shape[0]) for x, *_ in items]
 
     def batch(k):
@@ -477,7 +454,7 @@ def main():
     if not _on_gpu():  # a smoke run: no device to wait for (common.interleaved calls common.sync too)
         common.sync = lambda: None
     t0 = time.perf_counter()
-    crops = _crops(find_data(args.data), args.crops, args.crop_size)
+    crops = scan_crops(find_data(args.data), args.crops, args.crop_size)
     result = {"recorded": recorded(args.note),
               "config": {"crops": args.crops, "crop_size_m": args.crop_size, "points_per_crop": [len(c[0]) for c in
                                                                                                   crops],

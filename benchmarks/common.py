@@ -58,6 +58,31 @@ def scan_points(data, name):
     return np.fromfile(Path(data) / fname, np.float32).reshape(-1, cols), voxel
 
 
+def scan_crops(data, n, size, seed=0):
+    """``n`` square crops (``size`` metres, ``numba_sc.train.augment.crop``) of the labelled
+    SemanticKITTI scan: (points float32 (M, 4), raw labels) each, the same for a seed."""
+    from numba_sc.train import augment, labels
+
+    points = np.fromfile(Path(data) / KITTI, np.float32).reshape(-1, 4)
+    raw = labels.load_semantickitti_labels(Path(data) / KITTI.replace(".bin", ".label"))
+    rng = np.random.default_rng(seed)
+    return [augment.crop(points, raw, rng, size) for _ in range(n)]
+
+
+class CyclingScans:
+    """A dataset of ``length`` scans cycling through ``crops`` (a loader gives each index
+    its own augmentation), for the training benchmarks' loaders."""
+
+    def __init__(self, crops, length):
+        self.crops, self.length = crops, length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        return self.crops[i % len(self.crops)]
+
+
 def scan_coords(data, name):
     """Sorted unique int32 voxel coordinates (N, 3) of a scan, voxelized by the NumPy reference."""
     import numba_sc

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import find_data, recorded, sync
+from common import CyclingScans, find_data, recorded, scan_crops, sync
 
 
 # ------------------------------------------------------------------ the parent
@@ -122,28 +122,6 @@ def summary(r):
 
 
 # ------------------------------------------------------------------ a rank
-def _crops(data, n, size, seed=0):
-    from numba_sc.train import augment, labels
-
-    points = np.fromfile(Path(data) / "semantickitti_000000.bin", np.float32).reshape(-1, 4)
-    raw = labels.load_semantickitti_labels(Path(data) / "semantickitti_000000.label")
-    rng = np.random.default_rng(seed)
-    return [augment.crop(points, raw, rng, size) for _ in range(n)]
-
-
-class _Scans:
-    """``length`` scans cycling through ``crops`` (each index gets its own augmentation)."""
-
-    def __init__(self, crops, length):
-        self.crops, self.length = crops, length
-
-    def __len__(self):
-        return self.length
-
-    def __getitem__(self, i):
-        return self.crops[i % len(self.crops)]
-
-
 def _prepare(points, raw, rng):
     from numba_sc.train import run as tr
 
@@ -235,9 +213,9 @@ def worker(args):
     rank, size, solo = comm.rank, comm.size, parallel.Solo()
     scratch = Path(args.scratch)
     log = (lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}", flush=True)) if rank == 0 else (lambda s: None)
-    crops = _crops(find_data(args.data), args.crops, args.crop_size)
+    crops = scan_crops(find_data(args.data), args.crops, args.crop_size)
     n_batches = max(args.steps, 2)
-    scans = _Scans(crops, 4 * n_batches)
+    scans = CyclingScans(crops, 4 * n_batches)
     # the prepared scans of global batches of 4 (as Loader prepares item i of epoch 0); the timed
     # runs cycle through them, each step collating a new batch tensor (its maps built again)
     items = [_prepare(*scans[i], np.random.default_rng([0, 0, i])) for i in range(4 * n_batches)]
@@ -325,7 +303,7 @@ def worker(args):
     for name, c, batch in (("1 GPU, batch 4", solo, 4), ("2 GPUs, global batch 8", comm, 8)):
         barrier()
         t = _model("AdamW", c)
-        loader = parallel.ShardedLoader(_Scans(crops, batch * n), batch, host_prepare, rank=c.rank, size=c.size,
+        loader = parallel.ShardedLoader(CyclingScans(crops, batch * n), batch, host_prepare, rank=c.rank, size=c.size,
                                         seed=1, shuffle=False, workers=args.workers, prefetch=2)
         ms, it = [], iter(loader)
         for k in range(n):
@@ -352,15 +330,15 @@ def worker(args):
     barrier()
     check = {"batches_equal": None, "steps_done": 0, "error": None}
     try:
-        dev = parallel.ShardedLoader(_Scans(crops, 4 * n), 4, _prepare, seed=1, shuffle=False,
+        dev = parallel.ShardedLoader(CyclingScans(crops, 4 * n), 4, _prepare, seed=1, shuffle=False,
                                      workers=args.workers, collate=lambda its: its)
-        ref = parallel.ShardedLoader(_Scans(crops, 4 * n), 4, _prepare, seed=1, shuffle=False, workers=0,
+        ref = parallel.ShardedLoader(CyclingScans(crops, 4 * n), 4, _prepare, seed=1, shuffle=False, workers=0,
                                      collate=lambda its: its)
         check["batches_equal"] = all(
             all(all(np.array_equal(p, q) for p, q in zip(x, y)) for x, y in zip(_host(a), _host(b)))
             for a, b in zip(dev, ref))
         t = _model("AdamW", solo)
-        loader = parallel.ShardedLoader(_Scans(crops, 4 * n), 4, _prepare, seed=1, shuffle=False,
+        loader = parallel.ShardedLoader(CyclingScans(crops, 4 * n), 4, _prepare, seed=1, shuffle=False,
                                         workers=args.workers)
         for b in loader:
             t.step(b.tensor, b.concat(0), scans=len(b))
