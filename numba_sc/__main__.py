@@ -36,7 +36,7 @@ EXAMPLES = """examples:
   numba-sc demo                                  every stage on a synthetic LiDAR scene
   numba-sc demo --points scan.bin --columns 4    ... on a KITTI-style float32 .bin file
   numba-sc check --stage gather                  one stage's kernel against its reference
-  numba-sc ladder --list                         every stage's rungs, and what each adds
+  numba-sc ladder --list                         every ladder's rungs, and what each adds
   numba-sc ladder gather scatter --dtypes float16
   numba-sc train --steps 300 --out curve.json    fit MinkUNet42 to the labelled scan
   numba-sc train --data KITTI --split train --epochs 10 --eval valid --save run.npz --log run.json
@@ -108,8 +108,9 @@ def main(argv=None):
     lad = command("ladder", "each stage's kernels rung by rung: agreement (no GPU) or GPU times",
                   "numba-sc ladder gather scatter --channels 16 --dtypes float32")
     lad.add_argument("stages", nargs="*", metavar="STAGE",
-                     help="stage modules, e.g. gather scatter forward_search (default: all; --list names them)")
-    lad.add_argument("--list", action="store_true", help="name every stage's ladder, its rungs and what each adds")
+                     help="ladders, named after their modules or the operation they climb, e.g. gather "
+                          "forward_search batch_norm_backward (default: all; --list names them)")
+    lad.add_argument("--list", action="store_true", help="name every ladder, its module, its rungs and what each adds")
     lad.add_argument("--points", help="KITTI-style float32 .bin file (default: the SemanticKITTI scan in "
                                       "$NUMBA_SC_DATA or ../shared/data, else a synthetic LiDAR scene)")
     lad.add_argument("--columns", type=cols, default=4, help="float32 columns per point in --points (default 4)")

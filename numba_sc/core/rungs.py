@@ -19,21 +19,34 @@ one thing, said in one line; the last is what the library runs.
 workload from one shared :class:`Context`, runs every rung, compares it with the
 reference, and on a GPU times it.
 
+Where a module teaches a second operation rung by rung, it declares that ladder
+the same way, beside ``LADDER`` (:mod:`numba_sc.nn.pointwise`: ``BACKWARD_LADDER``,
+BatchNorm's backward). The tool needs no list of them: every :class:`Ladder` a
+stage module holds at module level is one of its ladders, ``LADDER`` first, then
+the others in the order the module defines them. A ladder therefore lives in the
+module it climbs; a stage module that wants another's ladder imports the module,
+not the ladder (two ladders of one name stop the tool, with both modules named).
+
 Names, one rule for every stage:
 
-* the ladder is named after its module (``voxelization``, ``output_coords``,
-  ``backward_search``, ``forward_search``, ``metadata``, ``gather``, ``scatter``,
-  ``pointwise``, ``fetch_on_demand``, ``implicit_gemm``);
-* what rung n adds is named ``<stage>_v<n>``: the kernel, or the kernel factory
-  where the kernel is compiled with sizes as constants (``gather_v3(tile, tiles)``
-  returns the kernel), or the host function where the rung is a different
-  sequence of launches (``backward_search_v1``: two kernels and a scan). Kernels
-  that are one step of such a rung are named for the step and the rung
-  (``pivot_bounds_v1``); kernels that every rung shares keep their plain names
-  (``quantize_kernel``);
-* where a module holds several operations and the ladder climbs one of them, the
-  operation's name stands for the stage's (:mod:`numba_sc.nn.pointwise`:
-  ``batch_norm_v1``, ``batch_norm_v2``);
+* a module's ``LADDER`` is named after the module (``voxelization``,
+  ``output_coords``, ``backward_search``, ``forward_search``, ``metadata``,
+  ``gather``, ``scatter``, ``pointwise``, ``fetch_on_demand``, ``implicit_gemm``);
+  any further ladder of the module is named after the operation it climbs
+  (``batch_norm_backward``). These names are what ``numba-sc ladder STAGE`` and
+  :mod:`numba_sc.tools.lesson` take;
+* what rung n adds is named ``<operation>_v<n>``, the operation being the ladder's
+  name unless the declaration says otherwise (``Ladder(..., operation=...)``).
+  The object is the kernel, or the kernel factory where the kernel is compiled with
+  sizes as constants (``gather_v3(tile, tiles)`` returns the kernel), or the host
+  function where the rung is a different sequence of launches
+  (``backward_search_v1``: two kernels and a scan). Kernels that are one step of
+  such a rung are named for the step and the rung (``pivot_bounds_v1``); kernels
+  that every rung shares keep their plain names (``quantize_kernel``);
+* where a module holds several operations and its ``LADDER`` climbs one of them,
+  the declaration names that operation (``pointwise``'s ``LADDER`` says
+  ``operation="batch_norm"``: ``batch_norm_v1``, ``batch_norm_v2``); a further
+  ladder, named after its operation, needs no such word (``batch_norm_backward_v1``);
 * the library enters the last rung through the stage's ``*_cuda`` function, the
   counterpart of its ``*_reference``.
 
@@ -76,7 +89,8 @@ class Ladder:
     array a kernel writes (default: all); ``tolerance`` the allowed error per dtype,
     relative to the largest reference value (default: exact); ``needs`` the
     :class:`Context` fields beyond the coordinates the workload needs (a ladder whose
-    needs are not given is left out).
+    needs are not given is left out); ``operation`` the name its rung objects carry,
+    ``<operation>_v<n>`` (default: ``stage``; module docstring).
 
     ``rungs`` are the rungs that can run here: under the simulator the ``gpu_only``
     ones are left out. ``declared`` holds every rung, as given.
@@ -90,9 +104,12 @@ class Ladder:
     tolerance: dict | None = None
     collect: Callable | None = None
     needs: tuple = ()
+    operation: str | None = None
     declared: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        if self.operation is None:
+            object.__setattr__(self, "operation", self.stage)
         object.__setattr__(self, "declared", tuple(self.rungs))
         if simulating():
             object.__setattr__(self, "rungs", tuple(r for r in self.rungs if not r.gpu_only))

@@ -658,6 +658,7 @@ LADDER = Ladder(
     "pointwise",
     (_rung("v1", "BatchNorm, residual add and ReLU in one pass, one thread per value"),
      _rung("v2", "+ the channel count compiled in, fast math (the library's)")),
+    operation="batch_norm",  # the rungs climb one operation of this module: batch_norm_v1, _v2
     workload=_ladder_work,
     reference=lambda w: batch_norm_reference(to_host(w["features"]), *[to_host(v) for v in w["bn"]], 1e-5,
                                              to_host(w["residual"]), True),
@@ -669,7 +670,8 @@ LADDER = Ladder(
 
 # BatchNorm's backward in training mode, with the ReLU's mask (the training step
 # runs it after every convolution). Declared beside the module's ``LADDER`` (the
-# forward's): the rungs are host functions, v1 about a dozen launches, v2 three.
+# forward's), and found by the ladder tool as that one is (``numba-sc ladder
+# batch_norm_backward``): the rungs are host functions, v1 about a dozen launches, v2 three.
 def _backward_work(ctx):
     """The forward's workload plus ``g`` (N, C) and the forward's output ``y`` (its
     ReLU's mask), with the batch's own statistics, as in training."""

@@ -5,8 +5,13 @@ Every stage with a ladder declares it in its own module, in one place: a
 reference, listing its rungs in reading order. ``v1`` is the paper's algorithm as
 plainly as Numba allows, and every later rung adds one optimization, with a
 docstring that says what it changed, why the GPU rewards it, and what it bought
-when it came in. The library runs the last rung. This module holds nothing
-stage-specific: it finds the ladders in :data:`STAGES` and runs them, two ways:
+when it came in. The library runs the last rung. A module that climbs a second
+operation declares that ladder beside its ``LADDER`` (``BACKWARD_LADDER`` in
+:mod:`numba_sc.nn.pointwise`, named ``batch_norm_backward``): the modules' ladders
+are every :class:`~numba_sc.core.rungs.Ladder` they hold at module level
+(:func:`module_ladders`), so a new one needs no word here. This module holds
+nothing stage-specific: it finds the ladders of the modules in :data:`STAGES` and
+runs them, two ways:
 
 * **without a GPU**, every rung under the simulator on a crop of the cloud,
   against the stage's NumPy reference: the agreement table;
@@ -15,11 +20,13 @@ stage-specific: it finds the ladders in :data:`STAGES` and runs them, two ways:
   machine costs every rung alike), with the speed-up of each step and over
   v1; ``--out`` writes the table with the device, date and command.
 
-A ladder is named after its module; ``python -m numba_sc ladder --list`` prints
-them, in the pipeline's order, with what each rung adds. Each builds its
-workload from one shared :class:`~numba_sc.core.rungs.Context` (the cloud's
-coordinates, and the scan's points for ``voxelization``); most of them run on one
-3x3x3 submanifold layer on the cloud, its map and plan built by the kernels. The
+A module's ``LADDER`` is named after the module, a further ladder after the
+operation it climbs (:mod:`numba_sc.core.rungs`); ``python -m numba_sc ladder
+--list`` prints them, in the pipeline's order, with what each rung adds, and
+``python -m numba_sc ladder NAME ...`` runs the ones named. Each builds its workload
+from one shared :class:`~numba_sc.core.rungs.Context` (the cloud's coordinates, and
+the scan's points for ``voxelization``); most of them run on one 3x3x3 submanifold
+layer on the cloud, its map and plan built by the kernels. The
 GEMM grouping (stage 9) has one kernel of its own, ``take_weights_kernel`` (a
 copy of K small matrices), with nothing to climb; its lesson is the grouping, on
 the host. The search rungs build the same table whatever the features' dtype;
@@ -36,15 +43,16 @@ import time
 import numpy as np
 
 from ..core.device import device_name, gpu_present, simulating
-from ..core.rungs import Context
+from ..core.rungs import Context, Ladder
 from ..gmas.autotune import gpu_time_once
 
-__all__ = ["Context", "RECORDED_NAMES", "STAGES", "agreement", "agrees", "check_rungs", "ladders",
-           "list_ladders", "plot_recorded", "run_ladder", "time_rungs"]
+__all__ = ["Context", "RECORDED_NAMES", "STAGES", "agreement", "agrees", "check_rungs", "ladder_modules",
+           "ladders", "list_ladders", "module_ladders", "plot_recorded", "run_ladder", "time_rungs"]
 
-# The stage modules with a ladder, in the pipeline's order (the only stage-specific
-# thing here): stages 1-2, the Map step's searches (5-6), the GMaS step (7, 8, 10),
-# BatchNorm between the layers, and the two other dataflows of a layer.
+# The stage modules with ladders, in the pipeline's order (the only stage-specific
+# thing here; each module's ladders are found in it, module_ladders): stages 1-2,
+# the Map step's searches (5-6), the GMaS step (7, 8, 10), BatchNorm between the
+# layers (forward and backward), and the two other dataflows of a layer.
 STAGES = (
     "numba_sc.coords.voxelization",
     "numba_sc.coords.output_coords",
@@ -65,21 +73,53 @@ RECORDED_NAMES = {"voxelize": "voxelization", "outcoords": "output_coords", "bac
                   "implicit": "implicit_gemm"}
 
 
-def ladders() -> dict:
-    """{stage name: its :class:`Ladder`}, in the pipeline's order, as the stage modules
-    declare them (each module's ``LADDER``, named after the module)."""
+def module_ladders(module) -> list:
+    """The ladders a stage module declares: its ``LADDER``, which must be named after
+    the module, then every other :class:`~numba_sc.core.rungs.Ladder` it holds at
+    module level, in the order the module defines them."""
+    name = module.__name__.rpartition(".")[2]
+    main = getattr(module, "LADDER", None)
+    if not isinstance(main, Ladder):
+        raise AssertionError(f"{module.__name__} is in STAGES but declares no LADDER (numba_sc/core/rungs.py)")
+    if main.stage != name:
+        raise AssertionError(f"{module.__name__} declares the ladder {main.stage!r} as its LADDER: "
+                             f"a module's LADDER is named after the module ({name!r})")
+    found = [main]
+    for value in vars(module).values():
+        if isinstance(value, Ladder) and not any(value is f for f in found):
+            found.append(value)
+    return found
+
+
+def _declared() -> dict:
+    """{stage name: (the module that declares it, its Ladder)}, in the pipeline's order."""
     out = {}
     for path in STAGES:
-        ladder = importlib.import_module(path).LADDER
-        if ladder.stage != path.rpartition(".")[2]:
-            raise AssertionError(f"{path} declares the ladder {ladder.stage!r}: a ladder is named after its module")
-        out[ladder.stage] = ladder
+        for ladder in module_ladders(importlib.import_module(path)):
+            if ladder.stage in out:
+                raise AssertionError(f"two ladders are named {ladder.stage!r}, in {out[ladder.stage][0]} and in "
+                                     f"{path}: a ladder's name is unique, and a module that uses another's "
+                                     "ladder imports that module, not the ladder")
+            out[ladder.stage] = (path, ladder)
     return out
 
 
+def ladders() -> dict:
+    """{stage name: its :class:`Ladder`}, every ladder of every module in :data:`STAGES`,
+    in the pipeline's order and, within a module, in the order it declares them
+    (:func:`module_ladders`)."""
+    return {stage: ladder for stage, (_, ladder) in _declared().items()}
+
+
+def ladder_modules() -> dict:
+    """{stage name: the module (dotted path) that declares its ladder}; what
+    :mod:`numba_sc.tools.lesson` reads a rung's code from."""
+    return {stage: path for stage, (path, _) in _declared().items()}
+
+
 def list_ladders(print_=print):
-    """Every stage's ladder: its module, then each rung and what it adds."""
-    for path, (stage, ladder) in zip(STAGES, ladders().items()):
+    """Every ladder: its name and module, then each rung and what it adds."""
+    for stage, (path, ladder) in _declared().items():
         needs = f"  (needs {', '.join(ladder.needs)})" if ladder.needs else ""
         print_(f"{stage}  ({path}){needs}")
         for rung in ladder.declared:
@@ -125,16 +165,17 @@ def time_rungs(ladder, work, rounds=20, warmup=5):
 
 
 def check_rungs(stages, context: Context, print_=print):
-    """Every rung of ``stages`` (module names) against its reference, on the workloads
+    """Every rung of ``stages`` (ladder names, :func:`ladders`) against its reference, on the workloads
     built from ``context``; raises on a disagreement. Returns {(stage, rung): error}."""
     found, errors = ladders(), {}
+    width = max([16, *map(len, stages)])
     for stage in stages:
         ladder = found[stage]
         work = ladder.workload(context)
         for rung in ladder.rungs:
             err = agreement(ladder, rung.name, work)
             errors[stage, rung.name] = err
-            print_(f"{stage:16s} {rung.name}  error {err:.1e}  {rung.adds}")
+            print_(f"{stage:{width}s} {rung.name}  error {err:.1e}  {rung.adds}")
             if not agrees(ladder, context.dtype, err):
                 raise AssertionError(f"{stage} {rung.name} disagrees with the reference: {err:.3g}")
     return errors
@@ -144,7 +185,7 @@ def plot_recorded(record, stages, axes=None):
     """Bars of a recorded ladder run (a ``--out`` file, loaded): each rung's GPU time per
     dtype, labelled with its speed-up over v1; one panel a stage (needs matplotlib).
 
-    ``stages`` are module names; a record's rows may name them as they were named
+    ``stages`` are ladder names; a record's rows may name them as they were named
     when it was recorded (:data:`RECORDED_NAMES`)."""
     import matplotlib.pyplot as plt
 
@@ -173,7 +214,7 @@ def run_ladder(stages, coords, channels=64, dtypes=("float32", "float16"), round
     """The ladder table of ``stages`` on ``coords``: agreement with the reference always,
     GPU times when a GPU runs the kernels. Returns the rows; writes ``out`` (JSON).
 
-    ``stages``: module names (:func:`ladders`). ``points`` (N, 3 or 4), voxelized at
+    ``stages``: ladder names (:func:`ladders`). ``points`` (N, 3 or 4), voxelized at
     ``voxel_size`` into ``coords``: what the ``voxelization`` ladder starts from
     (a ladder whose workload needs what is not given is left out)."""
     found = ladders()
@@ -181,7 +222,8 @@ def run_ladder(stages, coords, channels=64, dtypes=("float32", "float16"), round
     stages = [s for s in stages if all(getattr(base, n) is not None for n in found[s].needs)]
     timed = gpu_present() and not simulating()
     rows = []
-    head = f"{'stage':16s} {'dtype':8s} {'rung':5s} {'error':>9s} {'ok':>3s}"
+    width = max([16, *map(len, stages)])  # the stage column: as wide as the longest name
+    head = f"{'stage':{width}s} {'dtype':8s} {'rung':5s} {'error':>9s} {'ok':>3s}"
     head += f" {'GPU us':>9s} {'step':>6s} {'vs v1':>6s}" if timed else ""
     print_(head + "  adds")
     for dtype in dtypes:
@@ -195,7 +237,7 @@ def run_ladder(stages, coords, channels=64, dtypes=("float32", "float16"), round
                 err = agreement(ladder, rung, work)
                 ok = agrees(ladder, dtype, err)
                 row = {"stage": stage, "dtype": dtype, "rung": rung, "adds": adds, "error": err, "agrees": ok}
-                line = f"{stage:16s} {dtype:8s} {rung:5s} {err:9.2e} {'yes' if ok else 'NO':>3s}"
+                line = f"{stage:{width}s} {dtype:8s} {rung:5s} {err:9.2e} {'yes' if ok else 'NO':>3s}"
                 if timed:
                     t = times[rung]
                     row.update(gpu_us=t, step=(times[prev] / t) if prev else 1.0, vs_v1=times["v1"] / t)
@@ -204,7 +246,7 @@ def run_ladder(stages, coords, channels=64, dtypes=("float32", "float16"), round
                 rows.append(row)
                 prev = rung
             for rung in (r for r in ladder.declared if r.name not in ladder.names):  # gpu_only, left out
-                print_(f"{stage:16s} {dtype:8s} {rung.name:5s} not run here: GPU only (linked CUDA C++)")
+                print_(f"{stage:{width}s} {dtype:8s} {rung.name:5s} not run here: GPU only (linked CUDA C++)")
     if out:
         rec = {"points": int(len(coords)), "channels": channels, "rounds": rounds, "rows": rows,
                "recorded": {"device": device_name(), "date": time.strftime("%Y-%m-%d"),

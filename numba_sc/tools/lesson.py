@@ -11,10 +11,14 @@ the one below, with the GPU time it bought as recorded by ``numba-sc ladder --ou
     lesson.diff("gather", "v1", "v2")    # what v2 changed, as a unified diff
     lesson.bought("gather")              # each rung's recorded GPU time and speed-up
 
-A rung's code is the object the ladder convention names ``<stage>_<rung>`` in the
-stage's module (``gather_v1``; ``batch_norm_v1`` in :mod:`numba_sc.nn.pointwise`,
-whose ladder climbs that operation). Kernels are shown as written in Python: the
-function that ``@cuda.jit`` compiled.
+``stage`` is a ladder's name, as ``numba-sc ladder --list`` prints it: every ladder
+the tool finds, a module's further ones included (``lesson.show("batch_norm_backward",
+"v2")``). A rung's code is the object the ladder convention names
+``<operation>_<rung>`` in the module that declares the ladder, the operation being
+the ladder's name unless its declaration names another (``gather_v1``;
+``batch_norm_v1`` for ``pointwise``, whose ``LADDER`` climbs that operation;
+:mod:`numba_sc.core.rungs`). Kernels are shown as written in Python: the function
+that ``@cuda.jit`` compiled.
 """
 from __future__ import annotations
 
@@ -28,17 +32,20 @@ from . import results
 
 __all__ = ["bought", "code", "diff", "show"]
 
-# The stages whose ladder climbs one operation of their module (core/rungs.py's rule).
-OPERATION = {"pointwise": "batch_norm"}
+
+def _ladder(stage: str):
+    """``(the module that declares stage's ladder, the Ladder)``."""
+    from .ladder import ladder_modules, ladders
+
+    found = ladders()
+    if stage not in found:
+        raise ValueError(f"stage must be one of {list(found)} (numba-sc ladder --list), got {stage!r}")
+    return importlib.import_module(ladder_modules()[stage]), found[stage]
 
 
-def _module(stage: str):
-    from .ladder import STAGES
-
-    for path in STAGES:
-        if path.rpartition(".")[2] == stage:
-            return importlib.import_module(path)
-    raise ValueError(f"stage must be one of {[p.rpartition('.')[2] for p in STAGES]}, got {stage!r}")
+def _rung_name(ladder, rung: str) -> str:
+    """The name of the object behind ``rung``: ``<operation>_vN`` for a rung, else ``rung`` as given."""
+    return f"{ladder.operation}_{rung}" if re.fullmatch(r"v\d+", rung) else rung
 
 
 def _python(obj):
@@ -54,8 +61,8 @@ def code(stage: str, rung: str) -> str:
     """The source of ``stage``'s rung ``rung`` (``code("gather", "v1")``), or of any kernel
     or function of the stage's module by its name (``code("voxelization",
     "atomic_reduce_v1")``: a kernel that one step of a rung launches)."""
-    module = _module(stage)
-    name = f"{OPERATION.get(stage, stage)}_{rung}" if re.fullmatch(r"v\d+", rung) else rung
+    module, ladder = _ladder(stage)
+    name = _rung_name(ladder, rung)
     if not hasattr(module, name):
         have = sorted(n for n in vars(module) if re.fullmatch(r"[a-z_]+_v\d+", n))
         raise ValueError(f"{module.__name__} has no {name}; its rung objects are {have}")
@@ -86,9 +93,9 @@ def diff(stage: str, lower: str, upper: str, context: int = 2) -> str:
     Either may name a kernel instead (``diff("voxelization", "atomic_reduce_v1", "v2")``:
     where v1 is a host function launching two kernels, the kernel that v2 replaces)."""
     a, b = code(stage, lower).splitlines(), code(stage, upper).splitlines()
-    name = OPERATION.get(stage, stage)
-    label = lambda r: f"{name}_{r}" if re.fullmatch(r"v\d+", r) else r  # noqa: E731
-    lines = difflib.unified_diff(a, b, label(lower), label(upper), n=context, lineterm="")
+    _, ladder = _ladder(stage)
+    lines = difflib.unified_diff(a, b, _rung_name(ladder, lower), _rung_name(ladder, upper), n=context,
+                                 lineterm="")
     text = "\n".join(lines)
     _display(text, "diff")
     return text

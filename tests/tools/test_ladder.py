@@ -3,6 +3,8 @@ the simulator here, on the GPU with NUMBA_ENABLE_CUDASIM=0), on a crop of a real
 for several tiles and both dtypes; and the comparison can fail."""
 import dataclasses
 import importlib
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -10,8 +12,8 @@ import pytest
 import numba_sc as ns
 from numba_sc.coords import output_coords as oc
 from numba_sc.coords import voxelization as vx
-from numba_sc.core.backend import to_host
-from numba_sc.core.rungs import Context
+from numba_sc.core.backend import to_device, to_host
+from numba_sc.core.rungs import Context, Ladder
 from numba_sc.dataflows import fetch_on_demand as fod
 from numba_sc.dataflows import implicit_gemm as ig
 from numba_sc.gmas import gather as ga
@@ -37,26 +39,47 @@ def with_runs(lad, wrap):
 
 
 def test_every_stage_declares_its_ladder_under_its_module_name():
-    found = ladder.ladders()
-    assert list(found) == [p.rpartition(".")[2] for p in ladder.STAGES]
+    found, modules = ladder.ladders(), ladder.ladder_modules()
+    # each module's LADDER under the module's name, then its further ladders, in the pipeline's order
+    want = []
     for path in ladder.STAGES:
-        lad = importlib.import_module(path).LADDER
-        assert found[lad.stage] is lad
-        assert lad.names == tuple(f"v{i}" for i in range(1, len(lad.rungs) + 1)), path
-        assert all(r.adds for r in lad.rungs)
-    # every rung's kernel (or factory, or host function) is named <stage>_v<n>
-    for path, names in (("numba_sc.coords.voxelization", "voxelization"),
-                        ("numba_sc.coords.output_coords", "output_coords"),
-                        ("numba_sc.map.backward_search", "backward_search"),
-                        ("numba_sc.map.forward_search", "forward_search"),
-                        ("numba_sc.gmas.metadata", "metadata"), ("numba_sc.gmas.gather", "gather"),
-                        ("numba_sc.gmas.scatter", "scatter"), ("numba_sc.nn.pointwise", "batch_norm"),
-                        ("numba_sc.dataflows.fetch_on_demand", "fetch_on_demand"),
-                        ("numba_sc.dataflows.implicit_gemm", "implicit_gemm")):
         mod = importlib.import_module(path)
-        for rung in mod.LADDER.names:
-            assert hasattr(mod, f"{names}_{rung}"), (path, rung)
+        assert found[path.rpartition(".")[2]] is mod.LADDER
+        want += [lad.stage for lad in ladder.module_ladders(mod)]
+    assert list(found) == want
+    assert want[want.index("pointwise") + 1] == "batch_norm_backward"  # pointwise's BACKWARD_LADDER
+    assert found["batch_norm_backward"] is pw.BACKWARD_LADDER and modules["batch_norm_backward"] == pw.__name__
+    for stage, lad in found.items():
+        assert lad.names == tuple(f"v{i}" for i in range(1, len(lad.rungs) + 1)), stage
+        assert all(r.adds for r in lad.rungs)
+        # every rung's kernel (or factory, or host function) is named <operation>_v<n>
+        mod = importlib.import_module(modules[stage])
+        for rung in lad.declared:
+            assert hasattr(mod, f"{lad.operation}_{rung.name}"), (stage, rung.name)
+    assert found["pointwise"].operation == "batch_norm" and found["gather"].operation == "gather"
     assert fod.FetchTiles is not ig.Tiles  # two different things, two names
+
+
+def test_the_tool_refuses_ambiguous_ladders(monkeypatch):
+    """A module's LADDER must carry the module's name, a ladder bound twice is one
+    ladder, and two ladders of one name (a module holding another's) stop the tool."""
+    def module(name, **ladders):
+        mod = types.ModuleType(name)
+        vars(mod).update(ladders)
+        monkeypatch.setitem(sys.modules, name, mod)
+        return mod
+
+    extra = Ladder("scatter_twice", sc.LADDER.rungs, sc.LADDER.workload, sc.LADDER.reference)
+    mine = module("fake_stages.scatter", LADDER=sc.LADDER, EXTRA=extra, ALIAS=sc.LADDER)
+    assert ladder.module_ladders(mine) == [sc.LADDER, extra]
+    with pytest.raises(AssertionError, match="named after the module"):
+        ladder.module_ladders(module("fake_stages.gather", LADDER=sc.LADDER))
+    with pytest.raises(AssertionError, match="declares no LADDER"):
+        ladder.module_ladders(module("fake_stages.metadata", EXTRA=extra))
+    module("fake_stages.gather", LADDER=ga.LADDER, SCATTER=sc.LADDER)  # holds scatter's ladder too
+    monkeypatch.setattr(ladder, "STAGES", ("fake_stages.gather", "numba_sc.gmas.scatter"))
+    with pytest.raises(AssertionError, match="two ladders are named 'scatter'"):
+        ladder.ladders()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -110,6 +133,23 @@ def test_the_ladder_check_can_fail(crop_coords):
     assert ladder.agrees(bn, "float16", 9.8e-4) and not ladder.agrees(bn, "float16", 1e-2)
 
 
+def test_batch_norm_backward_ladder_runs_in_the_tool(crop_coords):
+    """The module's second ladder, through the tool's own check: both rungs within
+    tolerance of the reference on 40 voxels, 4 channels, both dtypes; a rung that
+    forgets the ReLU's mask (run on an output that is positive everywhere) fails."""
+    ctx = Context(crop_coords[:40], 4, "float32", seed=6)
+    for dtype in ("float32", "float16"):
+        errors = ladder.check_rungs(["batch_norm_backward"], dataclasses.replace(ctx, dtype=dtype),
+                                    print_=lambda *_: None)
+        assert list(errors) == [("batch_norm_backward", "v1"), ("batch_norm_backward", "v2")]
+    lad = pw.BACKWARD_LADDER
+    work = lad.workload(ctx)
+    assert (to_host(work["y"]) <= 0).any()  # the mask matters here
+    unmasked = with_runs(lad, lambda run: lambda w: run(dict(w, y=to_device(np.abs(to_host(w["y"])) + 1))))
+    for rung in lad.names:
+        assert not ladder.agrees(lad, "float32", ladder.agreement(unmasked, rung, work)), rung
+
+
 def test_ladder_command(capsys):
     from numba_sc.__main__ import main
 
@@ -117,11 +157,15 @@ def test_ladder_command(capsys):
     out = capsys.readouterr().out
     for path in ladder.STAGES:
         assert path.rpartition(".")[2] in out and path in out
+    assert "batch_norm_backward  (numba_sc.nn.pointwise)" in out  # a module's second ladder
+    assert "the sums in one pass, dx in one kernel" in out
     assert "+ whole words, unpacked into channels to be added" in out
     load_scan("semantickitti")  # skips without the data
-    assert main(["ladder", "gather", "pointwise", "--crop", "150", "--dtypes", "float32"]) == 0
+    assert main(["ladder", "gather", "pointwise", "batch_norm_backward", "--crop", "150", "--dtypes",
+                 "float32"]) == 0
     out = capsys.readouterr().out
     assert "gather" in out and "v4" in out and "pointwise" in out
+    assert [line.split()[2] for line in out.splitlines() if line.startswith("batch_norm_backward ")] == ["v1", "v2"]
     with pytest.raises(SystemExit):
         main(["ladder", "--rounds", "x"])
     assert main(["ladder", "nosuchstage"]) == 2

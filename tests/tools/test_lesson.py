@@ -10,6 +10,9 @@ def test_code_is_the_rung_as_written():
     assert src.lstrip().startswith("@cuda.jit") and "def gather_v1(" in src
     assert "def batch_norm_v2(" in lesson.code("pointwise", "v2")  # the operation the ladder climbs
     assert "def atomic_reduce_v1(" in lesson.code("voxelization", "atomic_reduce_v1")  # a step's kernel
+    # a module's second ladder, by its own name
+    assert "def batch_norm_backward_v2(" in lesson.code("batch_norm_backward", "v2")
+    assert "def batch_norm_backward_sums_v2(" in lesson.code("batch_norm_backward", "batch_norm_backward_sums_v2")
 
 
 def test_diff_shows_what_the_rung_changed(capsys):
@@ -19,12 +22,16 @@ def test_diff_shows_what_the_rung_changed(capsys):
     removed = [line for line in text.splitlines() if line.startswith("-") and not line.startswith("---")]
     assert added and removed and "while lo < hi" in "\n".join(removed)
     assert "forward_search_v2" in capsys.readouterr().out
+    text = lesson.diff("batch_norm_backward", "v1", "v2")
+    assert text.startswith("--- batch_norm_backward_v1\n+++ batch_norm_backward_v2")
+    lesson.show("batch_norm_backward", "v1")
+    assert "def batch_norm_backward_v1(" in capsys.readouterr().out
 
 
 def test_unknown_names_say_what_exists():
     with pytest.raises(ValueError, match="gather_v1"):
         lesson.code("gather", "v9")
-    with pytest.raises(ValueError, match="stage must be one of"):
+    with pytest.raises(ValueError, match="stage must be one of .*batch_norm_backward"):
         lesson.code("nonesuch", "v1")
 
 
