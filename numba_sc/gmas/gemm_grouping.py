@@ -336,7 +336,7 @@ _ORDER_CACHE = {}
 def device_order(groups, xp):
     """The offsets of ``groups``, in buffer order, as an array of ``xp`` (CuPy, or NumPy
     under the simulator): copied to the device once per grouping (a layer sees the
-    same few groupings call after call; the weight gradient asks too)."""
+    same few groupings call after call)."""
     members = tuple(g.members for g in groups)
     key = (members, -1 if xp is np else xp.cuda.runtime.getDevice())
     order = _ORDER_CACHE.get(key)

@@ -29,13 +29,24 @@ transposed, and nothing built.
 The second line, summed over the pairs of one offset ``k``, is one matrix
 product: stack the inputs ``x[j]`` of offset k's pairs as the rows of ``X_k``
 and the output gradients ``G[i]`` of the same pairs, in the same order, as
-``G_k``; then ``dL/dW[k] = X_k.T @ G_k``. That is exactly what the forward's
-buffers hold: the gather put ``X_k`` in rows ``base[k] ...`` of the input
-buffer, and gathering ``G`` through the *output* lists puts ``G_k`` in the same
-rows of a second buffer. One grouped, batched GEMM per group of offsets (as
-the forward groups them, the padding rows zeroed so they add nothing) gives
-every ``dL/dW[k]``. The submanifold centre, multiplied directly in the
-forward, is ``x.T @ G`` directly here.
+``G_k``; then ``dL/dW[k] = X_k.T @ G_k``. Two buffers of the training step
+already hold exactly these: the forward's gather put ``X_k`` in rows
+``base[k] ...`` of its input buffer, and the dgrad (the forward's plan read
+backwards) gathers ``G`` through the *output* lists into the same rows, so
+its input buffer holds ``G_k`` there. The wgrad keeps both (during a
+:class:`numba_sc.nn.Tape`, it gathers nothing) and runs one batched GEMM per
+group of offsets, as the forward groups them, which gives every ``dL/dW[k]``.
+The submanifold centre, multiplied directly in the forward, is ``x.T @ G``
+directly here.
+
+What is zeroed, and why. A group pads its shorter offsets with rows up to its
+tallest, and a padding row enters the product as ``x_pad.T @ g_pad``. Both
+buffers have theirs zeroed: zeros on one side are not enough, because a buffer
+comes from the memory pool holding whatever was there (a -1 index, read as
+fp32 or fp16, is NaN) and ``0 * NaN`` is NaN. The gradient itself is never
+zeroed: each GEMM overwrites its own matrices of a products array (cuBLAS with
+beta = 0 reads nothing there), and one kernel puts the products at their
+offsets and writes the zeros of the offsets without pairs.
 
 Worked example, one axis, P = Q = {0, 1}, kernel 3 (offsets -1, 0, +1), one
 channel, W = [a, b, c]::
@@ -47,11 +58,12 @@ channel, W = [a, b, c]::
 
 (the dgrad is the same convolution with the kernel mirrored: the transpose).
 
-Bytes, per layer and pass, ``n`` pairs outside the centre: the dgrad moves what a
-forward layer moves, ``~8 n (C_in + C_out)``; the wgrad gathers two buffers
-(``4 n (C_in + C_out)`` written, the same read by the GEMMs) and writes only
-``K C_in C_out`` values. So a training step costs about three forward passes,
-as it does for a dense network.
+Bytes, per layer and pass, ``n`` pairs outside the centre (fp32, padding aside):
+the dgrad moves what a forward layer moves, ``~8 n (C_in + C_out)``, and zeroes
+its buffer first; the wgrad reads the two kept buffers (``4 n (C_in + C_out)``,
+by its GEMMs) and writes ``K C_in C_out`` values twice (the products, then their
+places). So a training step costs about three forward passes, as it does for a
+dense network.
 
 :func:`sparse_conv3d_backward` is the functional form beside
 :func:`numba_sc.sparse_conv3d`; :mod:`numba_sc.nn` records each layer's backward
@@ -62,11 +74,14 @@ kernels (BatchNorm, ReLU, the residual add, concatenation) are in
 from __future__ import annotations
 
 import numpy as np
+from numba import cuda
 
 from ..gmas import gemm_grouping as gg
 from ..gmas.autotune import heuristic_tile
-from ..core.device import device_xp
+from ..core.device import device_xp, simulating
 from ..core.backend import like, resolve_backend, to_device, to_host
+from ..core.launch import launch
+from ..core.words import as_words, word_view
 from ..gmas.conv import check_map_fits, check_weight, launch_rows_for, layer_plan, gmas, resolve_tiles
 from ..gmas.gather import gather_cuda
 from ..core.tensor import SparseTensor
@@ -110,29 +125,106 @@ def _forward_plan(kernel_map, weight, transposed, backend):
     return plan.transposed() if transposed else plan
 
 
-def weight_grad_cuda(features, grad_out, plan, K, input_buffer=None):
-    """``dL/dW`` (K, C_in, C_out) from the forward plan: both sides gathered into the
-    forward's buffer rows (padding zeroed), one batched GEMM ``X_k.T @ G_k`` per
-    group, the centre directly. Offsets without pairs get zeros."""
+def weight_grad_cuda(features, grad_out, plan, K, input_buffer=None, grad_buffer=None):
+    """``dL/dW`` (K, C_in, C_out) from the forward plan: one strided batched GEMM
+    ``X_k.T @ G_k`` per group over the buffers' rows, the centre's ``x.T @ G`` directly.
+
+    ``input_buffer``: the forward's input buffer (the inputs gathered through
+    ``plan.in_lists``); ``grad_buffer``: ``grad_out`` gathered through
+    ``plan.out_lists``, which is the input gradient's own gather
+    (:func:`sparse_conv3d_backward` hands it over). Either is gathered here when
+    not given. Both must have their padding rows zeroed: a padding row enters a
+    product as ``x_pad.T @ g_pad``, and zeros on one side only are not enough,
+    because memory fresh from the pool holds any bits and ``0 * NaN`` (or
+    ``0 * inf``) is NaN.
+
+    Nothing is zeroed here and nothing is copied twice: every GEMM writes its own
+    slots of ``products`` (cuBLAS with beta = 0 never reads them), in buffer order
+    with the centre last, and :func:`place_products_cuda` puts each slot at its
+    offset, writing zeros for the offsets without pairs.
+    """
     xp = device_xp()
     f, g = to_device(features), to_device(grad_out)
     c_in, c_out = f.shape[1], g.shape[1]
-    dw = xp.zeros((K, c_in, c_out), dtype=f.dtype)
-    if plan.centre >= 0:  # the centre's pairs are (i, i): all the points, in place
-        gg.transposed_products_cuda(f, g, 0, f.shape[0], 1, dw, plan.centre)
+    n_buffered = len(plan.order)
+    # No memset: each slot is written by exactly one GEMM (beta = 0, so it is never read).
+    products = xp.empty((n_buffered + (plan.centre >= 0), c_in, c_out), dtype=f.dtype)
     if plan.rows:
         item = f.dtype.itemsize
-        xbuf = input_buffer
+        # Padding rows zeroed in both buffers (above: why one side is not enough): the
+        # callers' come so, and the ones gathered here are made so.
+        xbuf, gbuf = input_buffer, grad_buffer
         if xbuf is None:
             xbuf = gather_cuda(f, plan.in_lists, plan.rows, heuristic_tile(c_in, f.shape[0], item), zero_padding=True)
-        gbuf = gather_cuda(g, plan.out_lists, plan.rows, heuristic_tile(c_out, g.shape[0], item), zero_padding=True)
-        # the groups' products stacked in buffer order, then put at their offsets at once
-        stack = xp.empty((len(plan.order), c_in, c_out), dtype=f.dtype)
+        if gbuf is None:
+            gbuf = gather_cuda(g, plan.out_lists, plan.rows, heuristic_tile(c_out, g.shape[0], item),
+                               zero_padding=True)
         pos = 0
         for grp in plan.groups:
-            gg.transposed_products_cuda(xbuf, gbuf, grp.start, grp.rows, len(grp.members), stack, pos)
+            gg.transposed_products_cuda(xbuf, gbuf, grp.start, grp.rows, len(grp.members), products, pos)
             pos += len(grp.members)
-        dw[gg.device_order(plan.groups, xp)] = stack
+    if plan.centre >= 0:  # the centre's pairs are (i, i): all the points, in place
+        gg.transposed_products_cuda(f, g, 0, f.shape[0], 1, products, n_buffered)
+    return place_products_cuda(products, product_slots(plan, K, xp), K)
+
+
+def product_slots(plan, K, xp):
+    """(K,) int64 array of ``xp``: ``slots[k]`` is the slot of offset k's product in
+    :func:`weight_grad_cuda`'s ``products`` (the buffer's offsets in buffer order, then
+    the centre), -1 for an offset without pairs. Copied to the device once per
+    grouping, like :func:`numba_sc.gmas.gemm_grouping.device_order`."""
+    members = tuple(grp.members for grp in plan.groups)
+    key = (members, plan.centre, K, -1 if simulating() else xp.cuda.runtime.getDevice())
+    slots = _SLOTS.get(key)
+    if slots is None:
+        if len(_SLOTS) > 256:
+            _SLOTS.clear()
+        host = np.full(K, -1, dtype=np.int64)
+        buffered = [k for m in members for k in m]
+        host[buffered] = np.arange(len(buffered))
+        if plan.centre >= 0:
+            host[plan.centre] = len(buffered)
+        slots = _SLOTS[key] = xp.asarray(host)
+    return slots
+
+
+_SLOTS = {}
+
+
+@cuda.jit
+def place_products_kernel(products, slots, dw):
+    """``dw[k] = products[slots[k]]``, or zero bits where ``slots[k] < 0``. The matrices
+    come as rows of integer words (their bytes; all-zero bits are +0.0), one thread
+    per word of ``dw``, in memory order: neighbouring threads copy neighbouring
+    words of one matrix."""
+    t = cuda.grid(1)
+    per = dw.shape[1]
+    if t < dw.shape[0] * per:
+        k = t // per
+        w = t - k * per
+        s = slots[k]
+        if s >= 0:
+            dw[k, w] = products[s, w]
+        else:  # an offset without pairs: its gradient is zero
+            dw[k, w] = 0
+
+
+def place_products_cuda(products, slots, K):
+    """The (K, C_in, C_out) weight gradient from the (S, C_in, C_out) ``products``
+    and :func:`product_slots`: one launch of :func:`place_products_kernel`, which
+    writes every value of the result once (so it is allocated without a memset).
+
+    The kernel only moves bytes: each matrix is handed over as one row of 8- or
+    4-byte words (:func:`numba_sc.core.words.word_view`), or of 2-byte words for a
+    fp16 matrix of an odd number of values, so one compiled kernel serves fp16
+    and fp32 and a zero needs no conversion."""
+    xp = device_xp()
+    n, c_in, c_out = products.shape
+    dw = xp.empty((K, c_in, c_out), dtype=products.dtype)  # no memset: the kernel writes every value
+    word, per = word_view(products.itemsize, c_in * c_out)
+    if word is None:  # (per is then the values themselves: 2-byte fp16 bits)
+        word = np.int16
+    launch(place_products_kernel, K * per, as_words(products, n, per, word), slots, as_words(dw, K, per, word))
     return dw
 
 
@@ -162,7 +254,8 @@ def sparse_conv3d_backward(x: SparseTensor, weight: Array, grad_out: Array, kern
     Returns ``grad_features`` (|P|, C_in) in ``x``'s row order, and ``grad_weight``
     (K, C_in, C_out) indexed like ``weight``, both of the features' dtype and array
     kind. The input gradient runs the forward's GMaS step on the transposed plan
-    and weights (nothing is built; the plan the forward kept on the map is reused).
+    and weights (nothing is built; the plan the forward kept on the map is reused);
+    the buffer its gather fills is the weight gradient's ``G_k`` rows, kept for it.
     """
     if not isinstance(x, SparseTensor):
         raise TypeError(f"x must be a numba_sc.SparseTensor (the layer's input), got {type(x).__name__}")
@@ -183,13 +276,17 @@ def sparse_conv3d_backward(x: SparseTensor, weight: Array, grad_out: Array, kern
         return like(dx, x.features), like(dw, weight)
     f, w, g = to_device(x.features), to_device(weight), to_device(grad_out)
     plan = _forward_plan(kernel_map, w, transposed, bk)
+    if input_buffer is not None and tuple(input_buffer.shape) != (plan.rows, f.shape[1]):
+        raise ValueError(f"input_buffer must be the forward's (rows, C_in) = ({plan.rows}, {f.shape[1]}) "
+                         f"buffer, got {tuple(input_buffer.shape)}")
     back = plan.transposed()  # the same pairs, read from the outputs to the inputs
     wt = device_xp().ascontiguousarray(w.transpose(0, 2, 1))  # W[k].T, (K, C_out, C_in)
     tiles = resolve_tiles(None, c_out, w.shape[1], g.shape[0], f.shape[0], f.dtype, w.shape[0],
                           not transposed)
-    dx = gmas(g, wt, back, tiles, bk)
-    if input_buffer is not None and tuple(input_buffer.shape) != (plan.rows, f.shape[1]):
-        raise ValueError(f"input_buffer must be the forward's (rows, C_in) = ({plan.rows}, {f.shape[1]}) "
-                         f"buffer, got {tuple(input_buffer.shape)}")
-    dw = weight_grad_cuda(f, g, plan, w.shape[0], input_buffer)
+    # The input gradient gathers G through the output lists into the forward's buffer
+    # rows: exactly the G_k the weight gradient multiplies, so it keeps that buffer
+    # (padding rows zeroed) instead of the weight gradient gathering G again.
+    kept = []
+    dx = gmas(g, wt, back, tiles, bk, keep_buffer=kept)
+    dw = weight_grad_cuda(f, g, plan, w.shape[0], input_buffer, kept[0] if kept else None)
     return like(dx, x.features), like(dw, weight)
