@@ -268,6 +268,14 @@ def run_one(net, cloud, coords, feats, dtypes, args, out):
             contenders = {"numba-sc": lambda: ours(x.without_maps()),
                           "spconv Native": sp_call(twins["Native"]),
                           "spconv MaskImplicitGemm": sp_call(twins["MaskImplicitGemm"])}
+            if args.compare_lazy:  # the same model with its maps built layer by layer, as before #27
+                def lazy():
+                    ours.maps_up_front = False
+                    try:
+                        return ours(x.without_maps())
+                    finally:
+                        ours.maps_up_front = True
+                contenders["numba-sc (maps lazily)"] = lazy
             if net == "resnet21":  # for context: spconv's own downsampling (another network)
                 for algo in ("Native", "MaskImplicitGemm"):
                     own = build_spconv(net, feats.shape[1], algo, select=False)
@@ -394,7 +402,9 @@ def report(rec):
         errs += " | vs fp32: " + " ".join(f"{a[:6]} {e:.1e}" for a, e in rec["rel_err_vs_fp32"].items())
     print(f"{rec['net']:8} {rec['cloud']:8} {rec['n']:8d} {rec['dtype']:8} ours {ours:8.2f} ms | Native "
           f"{nat:8.2f} | MIG {mig:8.2f} | ours/best {ours / best:5.2f} | err {errs}"
-          + (f" | spconv own outputs: best {min(own):.2f}" if own else ""), flush=True)
+          + (f" | spconv own outputs: best {min(own):.2f}" if own else "")
+          + (f" | lazy maps {n['numba-sc (maps lazily)']['ms']:.2f}" if "numba-sc (maps lazily)" in n else ""),
+          flush=True)
     if "layers" in rec:
         sums = {}
         for r in rec["layers"]:
@@ -416,6 +426,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--layers", action="store_true", help="also time every layer alone, by kind")
+    ap.add_argument("--compare-lazy", action="store_true",
+                    help="also time our model with its maps built layer by layer (maps_up_front=False)")
     ap.add_argument("--layer-reps", type=int, default=20)
     ap.add_argument("--diagnose", action="store_true",
                     help="print every convolution's error against spconv (where the networks part)")

@@ -90,9 +90,10 @@ def downsample_pack_kernel(coords, s, sx, sy, sz, keys, report):
             report[0] = 1
 
 
-def _pack(coords, stride, tensor_stride):
+def _pack(coords, stride, tensor_stride, report=None):
     """What both rungs start with: the snapped keys on the device, and the report
-    ``[out of range, unique keys]`` whose first entry the pack kernel sets.
+    ``[out of range, unique keys]`` whose first entry the pack kernel sets (zeroed
+    int64 (2,); a caller may hand in a view of a larger one, read once for many).
     Returns ``(coords on the device, batch column 0/1, keys, report)``."""
     # Shape and dtype here; the range inside the kernel (no min/max reductions).
     coords = cv.validate_coords(coords, "coords", check_range=False)
@@ -100,7 +101,7 @@ def _pack(coords, stride, tensor_stride):
     c = to_device(coords)
     n, s = c.shape[0], c.shape[1] - 3
     keys = device_xp().empty(n, dtype=np.int64)
-    report = filled(2, np.int64, 0)
+    report = filled(2, np.int64, 0) if report is None else report
     launch(downsample_pack_kernel, n, c, s, sx, sy, sz, keys, report)
     return c, s, keys, report
 
@@ -140,15 +141,39 @@ def output_coords_v2(coords, stride, tensor_stride=1):
     include the host's waits; more in ``docs/performance.md``,
     "coords/output_coords.py").
     """
-    c, s, keys, report = _pack(coords, stride, tensor_stride)
-    xp = device_xp()
+    pending = start_output_coords(coords, stride, tensor_stride)
+    return finish_output_coords(pending, to_host(pending.report))  # the one read
+
+
+class PendingCoords:
+    """Output coordinates whose keys are sorted and de-duplicated on the device, the
+    count not yet read (:func:`start_output_coords`)."""
+
+    __slots__ = ("coords", "batch", "keys", "report", "stride", "tensor_stride")
+
+    def __init__(self, coords, batch, keys, report, stride, tensor_stride):
+        self.coords, self.batch, self.keys, self.report = coords, batch, keys, report
+        self.stride, self.tensor_stride = stride, tensor_stride
+
+
+def start_output_coords(coords, stride, tensor_stride=1, report=None) -> PendingCoords:
+    """v2's first half: pack, sort, de-duplicate, nothing read. ``report``: an optional
+    zeroed int64 (2,) view to count into, so that a caller making the coordinates of
+    several layers reads all their counts at once (:mod:`numba_sc.nn.maps_up_front`)."""
+    c, s, keys, report = _pack(coords, stride, tensor_stride, report)
     ukeys = sort_unique_keys_cuda(keys, report, 1)
-    flagged, m = (int(v) for v in to_host(report))
+    return PendingCoords(c, s, ukeys, report, stride, tensor_stride)
+
+
+def finish_output_coords(pending: PendingCoords, report) -> cv.Array:
+    """v2's second half, given the report read to the host: the range error if the
+    pack kernel flagged one, else the unpacked coordinates (M, 3|4)."""
+    flagged, m = (int(v) for v in report)
     if flagged:
-        _prepare(to_host(c), stride, tensor_stride)  # raises the precise error
+        _prepare(to_host(pending.coords), pending.stride, pending.tensor_stride)  # raises the precise error
         raise AssertionError("downsample_pack_kernel flagged a coordinate the host check accepts")
-    out = xp.empty((m, 3 + s), dtype=np.int32)
-    launch(unpack_kernel, m, ukeys, s, out)
+    out = device_xp().empty((m, 3 + pending.batch), dtype=np.int32)
+    launch(unpack_kernel, m, pending.keys, pending.batch, out)
     return out
 
 

@@ -575,7 +575,32 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     by a second search; the first one was wasted, which costs unsorted input one
     extra search but saves sorted input a device->host read in the middle of
     the step (a sync that leaves the GPU idle while the host catches up).
+
+    Two halves (:func:`start_kernel_map_cuda` queues the work and the report's copy,
+    :meth:`PendingMap.result` waits for the report), so that a caller with several
+    maps to build can queue them all before it waits once
+    (:mod:`numba_sc.nn.maps_up_front`).
     """
+    pending = start_kernel_map_cuda(in_coords, kernel_size, stride, dilation, tensor_stride, out_coords,
+                                    source_block, query_block, assume_sorted, symmetric, masks, method)
+    # The read waits for the forward search (its GPU time on a 94k-voxel scan:
+    # `python -m numba_sc ladder forward_search`): the caller may queue meanwhile the
+    # work that needs no report (after the copy, so that the read does not wait for it).
+    if while_reading is not None and assume_sorted:
+        while_reading(pending.map)
+    return pending.result()
+
+
+def start_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1, out_coords=None,
+                          source_block=DEFAULT_SOURCE_BLOCK, query_block=DEFAULT_QUERY_BLOCK, assume_sorted=False,
+                          symmetric=True, masks=False, method="sorted", read=True) -> "PendingMap":
+    """The first half of :func:`build_kernel_map_cuda`: pack, search, and start copying
+    the report to the host; nothing is waited for. ``.map`` of the result holds the
+    device arrays already; :meth:`PendingMap.result` finishes the map.
+
+    ``read=False`` starts no copy (a thread has one asynchronous read in flight at a
+    time, :meth:`numba_sc.core.pieces.Piece.get_async`): a caller with many maps reads
+    their ``.report`` s together and hands each its own to :meth:`PendingMap.result`."""
     B, C = check_block_sizes(source_block, query_block)
     method = check_method(method)
     ks, st, dil, ts, offsets, _ = layer_arguments(kernel_size, stride, dilation, tensor_stride)
@@ -585,7 +610,6 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     submanifold = out_coords is None and st == (1, 1, 1)
     h, (source_reach, query_reach) = _search_plan(ks, dil, ts, submanifold, symmetric)
     in_sorted = to_device(cv.validate_coords(in_coords, "in_coords", check_range=False))  # shape, dtype
-    in_order = out_order = None  # the identity until a sort says otherwise
     sides = [(REPORT_IN, in_coords, source_reach, "in_coords", assume_sorted)]
     out_sorted = in_sorted  # submanifold: one sorted array is both the source and the queries
     if not submanifold:
@@ -607,53 +631,75 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
         qkeys = work.keys_out
         cv.launch_pack(out_sorted, *query_reach, qkeys, work.flags_out)
     table, found = _find_pairs(method, skeys, qkeys, in_sorted, d_deltas, K, B, C, work)
-    # The read below waits for the forward search (its GPU time on a 94k-voxel scan:
-    # `python -m numba_sc ladder forward_search`): the host makes the map
-    # meanwhile, everything that needs no report, and queues the caller's work
-    # that needs no report either (after the copy, so that the read does not wait
-    # for it).
+    # The host makes the map while the GPU searches: everything that needs no report.
     m = _finish_cuda(in_sorted, out_sorted, None, offsets, table, work, ks, st, dil, ts, None)
-    finish_read = read_later(work.report_read)
-    if while_reading is not None and assume_sorted:
-        while_reading(m)
-    rep = finish_read()
-    _check_report(rep, sides)  # out of range; or unsorted, where the caller vouched for the order
-    unsorted_in = bool(rep[REPORT_IN + cv.FLAG_UNSORTED])
-    unsorted_out = not submanifold and bool(rep[REPORT_OUT + cv.FLAG_UNSORTED])
-    if unsorted_in or unsorted_out:  # stage 3 after all: sort, then search again
-        old, work = work, _Work(K, h, P, Q, B, C, chunk_size(), not submanifold, masks)
-        skeys, qkeys = as_array(old.keys_in), as_array(old.keys_out)
-        if unsorted_in:
-            skeys, in_order, in_sorted = sort_rows_cuda(skeys, in_sorted, work.repeats(REPORT_IN))
-        if submanifold:
-            qkeys, out_sorted = skeys, in_sorted
-        elif unsorted_out:
-            qkeys, out_order, out_sorted = sort_rows_cuda(qkeys, out_sorted, work.repeats(REPORT_OUT))
-        table, found = _find_pairs(method, skeys, qkeys, in_sorted, d_deltas, K, B, C, work)
-        m = _finish_cuda(in_sorted, out_sorted, in_order, offsets, table, work, ks, st, dil, ts, out_order)
-        rep = to_host(work.report_read)
-        _check_report(rep, [(slot, c, r, n, False) for slot, c, r, n, _ in sides])  # repeated rows
-    m.counts_host = rep[REPORT_ROWS + 1:].copy()
-    pairs = sum(m.counts_host.tolist())  # K numbers: a list beats a NumPy reduction
-    nb = num_source_blocks(P, B)
-    m.stats = {
-        "backend": "cuda", "method": method,
-        "n_in": P, "n_out": Q, "n_offsets": K, "queries": K * Q,
-        "segments_searched": h, "queries_searched": h * Q,
-        "pairs": pairs, "hit_rate": pairs / (K * Q),
-        "sorted_on_device": unsorted_in or unsorted_out,
-    }
-    if method == "sorted":
-        m.stats.update({
-            "source_block": B, "query_block": C, "source_blocks": nb,
-            "query_blocks_before_balancing": h * nb,
-            "query_blocks_after_balancing": int(rep[REPORT_ROWS]),
-            "forward_grid_upper_bound": work.upper, "forward_grid_launched": found})
-    elif method == "hash":
-        m.stats.update({"capacity": int(found.shape[0]), "load_factor": P / int(found.shape[0])})
-    else:
-        m.stats.update({"cells": int(found.shape[0])})
-    return m
+    return PendingMap(m, read_later(work.report_read) if read else None, work, found, sides, submanifold, method,
+                      d_deltas, (K, h, P, Q, B, C, masks))
+
+
+class PendingMap:
+    """A kernel map whose work is queued and whose report is on its way to the host
+    (:func:`start_kernel_map_cuda`). ``.map`` has its device arrays (coordinates,
+    table, counts on the device); :meth:`result` waits for the report, raises the
+    errors it records (or sorts and searches again), and fills the host counts and
+    the stats."""
+
+    def __init__(self, m, finish_read, work, found, sides, submanifold, method, d_deltas, sizes):
+        self.map, self._read, self._work, self._found = m, finish_read, work, found
+        self._sides, self._submanifold, self._method = sides, submanifold, method
+        self._d_deltas, self._sizes = d_deltas, sizes
+
+    @property
+    def report(self):
+        """The report on the device (int64: flags, balanced rows, pairs per offset)."""
+        return self._work.report[:REPORT_ROWS + 1 + self._sizes[0]]
+
+    def result(self, report=None) -> KernelMap:
+        """The finished map; ``report``: this map's report, read to the host by the
+        caller (needed when it was started with ``read=False``)."""
+        m, work, found, sides, method = self.map, self._work, self._found, self._sides, self._method
+        K, h, P, Q, B, C, masks = self._sizes
+        submanifold = self._submanifold
+        rep = self._read() if report is None else np.asarray(report)
+        _check_report(rep, sides)  # out of range; or unsorted, where the caller vouched for the order
+        unsorted_in = bool(rep[REPORT_IN + cv.FLAG_UNSORTED])
+        unsorted_out = not submanifold and bool(rep[REPORT_OUT + cv.FLAG_UNSORTED])
+        if unsorted_in or unsorted_out:  # stage 3 after all: sort, then search again
+            in_sorted, out_sorted, in_order, out_order = m.in_coords, m.out_coords, None, None
+            old, work = work, _Work(K, h, P, Q, B, C, chunk_size(), not submanifold, masks)
+            skeys, qkeys = as_array(old.keys_in), as_array(old.keys_out)
+            if unsorted_in:
+                skeys, in_order, in_sorted = sort_rows_cuda(skeys, in_sorted, work.repeats(REPORT_IN))
+            if submanifold:
+                qkeys, out_sorted = skeys, in_sorted
+            elif unsorted_out:
+                qkeys, out_order, out_sorted = sort_rows_cuda(qkeys, out_sorted, work.repeats(REPORT_OUT))
+            table, found = _find_pairs(method, skeys, qkeys, in_sorted, self._d_deltas, K, B, C, work)
+            m = _finish_cuda(in_sorted, out_sorted, in_order, m.offsets, table, work, m.kernel_size, m.stride,
+                             m.dilation, m.tensor_stride, out_order)
+            rep = to_host(work.report_read)
+            _check_report(rep, [(slot, c, r, n, False) for slot, c, r, n, _ in sides])  # repeated rows
+        m.counts_host = rep[REPORT_ROWS + 1:].copy()
+        pairs = sum(m.counts_host.tolist())  # K numbers: a list beats a NumPy reduction
+        nb = num_source_blocks(P, B)
+        m.stats = {
+            "backend": "cuda", "method": method,
+            "n_in": P, "n_out": Q, "n_offsets": K, "queries": K * Q,
+            "segments_searched": h, "queries_searched": h * Q,
+            "pairs": pairs, "hit_rate": pairs / (K * Q),
+            "sorted_on_device": unsorted_in or unsorted_out,
+        }
+        if method == "sorted":
+            m.stats.update({
+                "source_block": B, "query_block": C, "source_blocks": nb,
+                "query_blocks_before_balancing": h * nb,
+                "query_blocks_after_balancing": int(rep[REPORT_ROWS]),
+                "forward_grid_upper_bound": work.upper, "forward_grid_launched": found})
+        elif method == "hash":
+            m.stats.update({"capacity": int(found.shape[0]), "load_factor": P / int(found.shape[0])})
+        else:
+            m.stats.update({"cells": int(found.shape[0])})
+        return m
 
 
 def _find_pairs(method, skeys, qkeys, in_sorted, d_deltas, K, B, C, work):

@@ -60,6 +60,7 @@ import numpy as np
 from ..core import conventions as cv
 from ..gmas import gemm_grouping as gg
 from . import pointwise as pw
+from . import maps_up_front
 from ..train.tape import add_param_grad, current_tape
 from ..core.device import array_module, gpu_present, simulating
 from ..core.backend import like, resolve_backend, to_device, to_host
@@ -68,6 +69,7 @@ from ..gmas.conv import convolve
 from ..core.tensor import CoordinateMaps, SparseTensor, map_key, same_coordinates
 
 _BACKEND = contextvars.ContextVar("numba_sc_nn_backend", default=None)
+_RUNNING = contextvars.ContextVar("numba_sc_nn_running", default=False)  # inside a module's call
 _OBSERVERS = []  # callables (module, x, y, kwargs) told of every layer call (benchmarks, tests)
 
 
@@ -149,6 +151,7 @@ class Module:
     """
 
     _params: dict = {}  # name -> "model" | "float32" | "int64"
+    maps_up_front = True  # build every map before the first layer (numba_sc.nn.maps_up_front)
 
     def __init__(self):
         self.training = False
@@ -302,9 +305,17 @@ class Module:
                             f"(coordinates and features), got {type(x).__name__}; make one with "
                             "numba_sc.SparseTensor(coords, features)")
         token = _BACKEND.set(backend) if backend is not None else None
+        outermost = not _RUNNING.get()  # the network's own call, not one of its layers'
+        running = _RUNNING.set(True) if outermost else None
         try:
+            if outermost:  # every map the network will need, built before its first layer
+                maps_up_front.before_forward(self, x, current_backend())
             y = self.forward(x, *args, **kwargs)
+            if outermost:
+                maps_up_front.after_forward(self, x, current_backend())
         finally:
+            if running is not None:
+                _RUNNING.reset(running)
             if token is not None:
                 _BACKEND.reset(token)
         for fn in _OBSERVERS:
