@@ -102,7 +102,7 @@ def calibrated_state(net, coords, feats):
 def spconv_output(y, lo, stride_of_index):
     """(coords (M, 3) in finest voxels, features float64) of a spconv output."""
     ind = y.indices.cpu().numpy()
-    return ind[:, 1:].astype(np.int64) * np.asarray(stride_of_index) + lo, y.features.float().cpu().numpy()
+    return ind[:, 1:].astype(np.int64) * np.asarray(stride_of_index) + lo, y.features.detach().float().cpu().numpy()
 
 
 def rel_err_by_coords(c_ours, f_ours, c_sp, f_sp):
@@ -282,7 +282,7 @@ def run_one(net, cloud, coords, feats, dtypes, args, out):
                     own.load_state_dict(sp_state)
                     contenders[f"({algo}, own outputs)"] = sp_call(own.to(tdt))
             if args.reps > 0:
-                rec["network"] = wall_interleaved(contenders, args.warmup, args.reps)
+                rec["network"] = wall_interleaved(contenders, args.warmup, args.reps, args.block)
             del contenders, y
             free_memory()
             if args.layers:
@@ -425,6 +425,8 @@ def main():
     ap.add_argument("--dtypes", default="float32,float16")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--block", type=int, default=4,
+                    help="timed calls per contender and round (fewer: more rounds, finer interleaving)")
     ap.add_argument("--layers", action="store_true", help="also time every layer alone, by kind")
     ap.add_argument("--compare-lazy", action="store_true",
                     help="also time our model with its maps built layer by layer (maps_up_front=False)")
@@ -434,7 +436,7 @@ def main():
     ap.add_argument("--note", default="", help="what code this run measured (goes into 'recorded')")
     args = ap.parse_args()
     data = find_data(args.data)
-    out = {"runs": [], "reps": args.reps, "warmup": args.warmup, "recorded": recorded(args.note)}
+    out = {"runs": [], "reps": args.reps, "warmup": args.warmup, "block": args.block, "recorded": recorded(args.note)}
     for cloud in args.clouds.split(","):
         coords, feats = load_cloud(cloud, data)
         for net in args.nets.split(","):
