@@ -17,12 +17,13 @@ from __future__ import annotations
 from .results import SPCONV, ratio, times, versus
 
 __all__ = ["TABLES", "ab_map_table", "conv_table", "generalize_table", "ladder_table", "layer_kinds_table", "map_methods_table",
-           "map_table", "network_table", "single_layers_table", "train_curve_table", "train_step_table",
+           "map_table", "network_table", "single_layers_table", "targets_table", "train_curve_table", "train_step_table",
            "voxelize_table"]
 
 NETS = {"resnet21": "ResNet21", "unet42": "MinkUNet42"}
 CLOUDS = {"kitti": "SemanticKITTI", "scannet": "ScanNet", "sunrgbd": "SUN RGB-D", "random": "1M random",
-          "random1M": "1M random", "dense": "dense (1M at stride 4)"}
+          "random1M": "1M random", "dense": "dense (1M at stride 4)", "kitti_20k": "SemanticKITTI 20k",
+          "scannet_20k": "ScanNet 20k", "sunrgbd_20k": "SUN RGB-D 20k"}
 DTYPES = {"float32": "fp32", "float16": "fp16"}
 
 
@@ -202,6 +203,30 @@ def generalize_table(r) -> str:
                    "training squares fit (accuracy / mIoU)"], rows)
 
 
+def targets_table(r) -> str:
+    """``benchmarks/targets.py``: issue #27's targets, one line per target and work (a
+    layer kind: both networks), the range of ours / best spconv over the clouds in each
+    dtype, and how many of the line's rows meet the limit."""
+    groups = {}
+    for x in r["rows"]:
+        work = x["work"].split(" (")[0] if x["target"] == "layer kind" else x["work"]
+        groups.setdefault((x["target"], work), {}).setdefault(x["dtype"], []).append(x)
+
+    def span(xs):
+        lo, hi = min(x["ratio"] for x in xs), max(x["ratio"] for x in xs)
+        return _x(lo) if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{_x(hi)}"
+
+    rows = []
+    for (tgt, work), by_dtype in groups.items():
+        xs = [x for v in by_dtype.values() for x in v]
+        met = sum(x["met"] for x in xs)
+        cells = [span(by_dtype[d]) if d in by_dtype else "" for d in ("float32", "float16")]
+        if "-" in by_dtype:  # no dtype (the Map step)
+            cells = [span(by_dtype["-"]), "(the same map)"]
+        rows.append([tgt, work, *cells, f"{xs[0]['limit']:.2f}", f"{met} of {len(xs)}"])
+    return _table(["target", "work", "fp32", "fp16", "limit", "rows within"], rows)
+
+
 TABLES = {f.__name__: f for f in (network_table, layer_kinds_table, ladder_table, train_step_table, train_curve_table,
                                   map_methods_table, single_layers_table, conv_table, map_table, ab_map_table,
-                                  voxelize_table, generalize_table)}
+                                  voxelize_table, generalize_table, targets_table)}
