@@ -294,73 +294,28 @@ def matmul_cuda(features, matrix):
     return _product(features, matrix.data.ptr, matrix.shape[1])
 
 
-# Split-K for the weight gradient's long reductions. ``A.T @ B`` over ``rows`` rows gives a
-# small C_a x C_b matrix: cuBLAS covers it with a handful of output tiles, each looping
-# over every row, so a product over the whole cloud (the submanifold centre, a solo
-# group) runs on a few SMs while the rest idle (measured: the largest device cost of a
-# MinkUNet42 training step, benchmarks/results/timeline_unet42.json). Cut into chunks of
-# SPLIT_ROWS rows, the chunks' partial products run side by side and one sum adds them.
-SPLIT_ROWS = 2048  # rows per partial product (0: never split)
-SPLIT_MIN_CHUNKS = 4  # split only reductions at least this many chunks long
-SPLIT_MAX_VALUES = 1 << 22  # partial products' values at most (16 MB of fp32)
-
-
-def _gemm_tn(a_ptr, b_ptr, rows, ca, cb, count, a_stride, b_stride, out_ptr, out_stride, t_in, t_out):
-    """``count`` products ``A_i.T @ B_i`` (rows x ca and rows x cb, row-major, every
-    ``a_stride`` / ``b_stride`` values) into row-major ca x cb matrices every
-    ``out_stride`` values: one strided batched cuBLAS call, fp32 accumulation."""
-    cupy, cublas = _gpu()
-    # Row-major out_i (C_a x C_b) is column-major out_i^T = B_i^T A_i: cuBLAS reads B_i as the
-    # column-major (C_b x rows) matrix it is in memory, and A_i (C_a x rows) transposed.
-    cublas.gemmStridedBatchedEx(
-        cupy.cuda.device.get_cublas_handle(), 0, 1, cb, ca, rows, _ONE_PTR,
-        b_ptr, t_in, cb, b_stride, a_ptr, t_in, ca, a_stride,
-        _ZERO_PTR, out_ptr, t_out, cb, out_stride, count, _COMPUTE_32F, _GEMM_DEFAULT)
-
-
-def split_chunks(rows, ca, cb) -> int:
-    """How many partial products a single ``rows``-long ``A.T @ B`` is cut into (1: none)."""
-    if SPLIT_ROWS <= 0:
-        return 1
-    n = min(rows // SPLIT_ROWS, SPLIT_MAX_VALUES // max(ca * cb, 1))
-    return n if n >= SPLIT_MIN_CHUNKS else 1
-
-
 def transposed_products_cuda(a, b, start, rows, batch, out, out_start=0):
     """``out[out_start + m] = A_m.T @ B_m`` for m < ``batch``, where ``A_m`` and ``B_m`` are
     the ``rows`` x C row blocks of ``a`` (N, C_a) and ``b`` (N, C_b) starting at row
     ``start + m * rows``; ``out`` (M, C_a, C_b). One strided batched cuBLAS call that
     reads the blocks in place (the weight gradient of a group of offsets: the
-    array library's ``matmul`` of a transposed view copies it first).
-
-    A single long product (``batch == 1``, :func:`split_chunks` > 1) is split along its
-    rows: equal chunks in one batched call into fp32 partials, the remainder in a
-    second call, one sum into ``out`` (see ``SPLIT_ROWS``)."""
+    array library's ``matmul`` of a transposed view copies it first)."""
     if simulating():
         for m in range(batch):
             lo = start + m * rows
             out[out_start + m] = matmul(np.ascontiguousarray(a[lo:lo + rows].T), b[lo:lo + rows])
         return out
-    cupy, _ = _gpu()
+    cupy, cublas = _gpu()
     ca, cb, item = a.shape[1], b.shape[1], a.itemsize
     t = _CUDA_TYPE[a.dtype]
-    a_ptr, b_ptr = a.data.ptr + start * ca * item, b.data.ptr + start * cb * item
-    out_ptr = out.data.ptr + out_start * ca * cb * item
-    chunks = split_chunks(rows, ca, cb) if batch == 1 else 1
-    if chunks == 1:
-        _gemm_tn(a_ptr, b_ptr, rows, ca, cb, batch, rows * ca, rows * cb, out_ptr, ca * cb, t, t)
-        return out
-    size = rows // chunks  # the last chunk also takes the rows - chunks * size left over
-    partial = cupy.empty((chunks, ca, cb), dtype=np.float32)  # every value is written
-    f32 = _CUDA_TYPE[np.dtype(np.float32)]
-    _gemm_tn(a_ptr, b_ptr, size, ca, cb, chunks - 1, size * ca, size * cb, partial.data.ptr, ca * cb, t, f32)
-    last = (chunks - 1) * size
-    _gemm_tn(a_ptr + last * ca * item, b_ptr + last * cb * item, rows - last, ca, cb, 1, 0, 0,
-             partial.data.ptr + (chunks - 1) * ca * cb * 4, ca * cb, t, f32)
-    if out.dtype == np.float32:
-        cupy.sum(partial, axis=0, out=out[out_start])
-    else:
-        out[out_start] = partial.sum(axis=0).astype(out.dtype)
+    # Row-major out_m (C_a x C_b) is column-major out_m^T = B_m^T A_m: cuBLAS reads B_m as the
+    # column-major (C_b x rows) matrix it is in memory, and A_m (C_a x rows) transposed.
+    cublas.gemmStridedBatchedEx(
+        cupy.cuda.device.get_cublas_handle(), 0, 1, cb, ca, rows, _ONE_PTR,
+        b.data.ptr + start * cb * item, t, cb, rows * cb,
+        a.data.ptr + start * ca * item, t, ca, rows * ca,
+        _ZERO_PTR, out.data.ptr + out_start * ca * cb * item, t, cb, ca * cb,
+        batch, _COMPUTE_32F, _GEMM_DEFAULT)
     return out
 
 

@@ -5,7 +5,6 @@ import pytest
 
 from numba_sc import SparseTensor, sparse_conv3d
 from numba_sc.core.backend import to_device, to_host
-from numba_sc.gmas import gemm_grouping as gg
 from numba_sc.gmas.gemm_grouping import launch_rows, make_groups, offset_order, padding_report
 from numba_sc.gmas.metadata import build_plan
 
@@ -105,22 +104,3 @@ def test_take_weights_kernel_matches_reference(rng):
         got = to_host(take_weights_cuda(to_device(w), to_device(order)))
         np.testing.assert_array_equal(got, take_weights_reference(w, order))
         np.testing.assert_array_equal(got[2], w[3])  # not a shifted copy
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_a_long_transposed_product_is_split_along_its_rows(dtype):
-    """The weight gradient's long reductions run as split-K on a GPU (chunks of
-    ``SPLIT_ROWS`` rows, the remainder in the last, one sum): equal to NumPy's, the
-    neighbouring slots of ``out`` untouched. (Under the simulator the NumPy path runs.)"""
-    rng = np.random.default_rng(3)
-    rows = 5 * gg.SPLIT_ROWS + 37  # a remainder for the last chunk
-    assert gg.split_chunks(rows, 5, 7) == 5  # the split path is the one a GPU runs here
-    a = rng.standard_normal((rows + 3, 5)).astype(dtype)
-    b = rng.standard_normal((rows + 3, 7)).astype(dtype)
-    out = to_device(np.full((3, 5, 7), 7.0, dtype))
-    gg.transposed_products_cuda(to_device(a), to_device(b), 2, rows, 1, out, 1)
-    got = np.asarray(to_host(out), np.float64)
-    want = a[2:2 + rows].astype(np.float64).T @ b[2:2 + rows].astype(np.float64)
-    tol = 1e-4 if dtype == np.float32 else 2e-3
-    assert np.abs(got[1] - want).max() <= tol * np.abs(want).max()
-    assert np.all(got[0] == 7.0) and np.all(got[2] == 7.0)
