@@ -44,9 +44,11 @@ doing and fusing further is not (the convolution around them moves an order of
 magnitude more bytes).
 
 Training-mode BatchNorm (statistics of the batch itself, and the running
-averages updated with ``momentum``) takes the per-channel mean and variance
-from the array library (a reduction is not this module's lesson), then
-normalizes with the same kernel.
+averages updated with ``momentum``) normalizes with the same kernel; its
+per-channel mean and variance come from two passes of a column-sum kernel shaped
+as the backward's (:func:`batch_statistics_update`: six small launches where the array
+library's steps made about fifteen a layer, a MinkUNet42 training step's most
+frequent device operations; ``benchmarks/results/timeline_unet42.json``).
 """
 from __future__ import annotations
 
@@ -631,6 +633,130 @@ def batch_norm_backward_v2(g, x, y, weight, mean, var, eps=1e-5, relu=False, tra
     c = sums.shape[0] // 2
     dx, dres = batch_norm_backward_input(g, x, y, weight, mean, var, eps, relu, sums, training)
     return dx, sums[c:2 * c], sums[:c], dres
+
+
+# Training-mode statistics in the same shape: kernel S (:func:`batch_statistics_sums`,
+# kernel A's walk with other sums) leaves each block's share of ``sum(x - m)`` and
+# ``sum((x - m)^2)`` for a given per-channel ``m``; kernel A2 adds the shares in a
+# fixed order. Pass 1 with m = 0 gives the column sums, so the mean; pass 2 with that
+# mean gives the squared deviations (and their plain sum, which would be zero but for
+# the mean's rounding: the classic correction ``var = E[d^2] - E[d]^2`` uses it). One
+# tiny kernel then writes the variance and the running averages.
+@cuda.jit(fastmath=True)
+def batch_statistics_sums(x, mean, tiles, partials):
+    """Kernel S: each block's share of every channel's ``sum(x - mean)`` and
+    ``sum((x - mean)^2)`` in its row of ``partials`` (``[C sums | C sums of squares]``),
+    the threads laid out as in :func:`batch_norm_backward_sums_v2`."""
+    channels = x.shape[1]
+    rows = x.shape[0]
+    width = min(channels, SUMS_THREADS)
+    lanes = SUMS_THREADS // width
+    t = cuda.threadIdx.x
+    lane = t // width
+    tile = cuda.blockIdx.x % tiles
+    c = tile * width + (t - lane * width)
+    active = lane < lanes and c < channels
+    s_d = float32(0.0)
+    s_dd = float32(0.0)
+    if active:
+        m = mean[c]
+        i = (cuda.blockIdx.x // tiles) * lanes + lane
+        stride = (cuda.gridDim.x // tiles) * lanes
+        while i < rows:
+            d = float32(x[i, c]) - m
+            s_d += d
+            s_dd += d * d
+            i += stride
+    part = cuda.shared.array((2, SUMS_THREADS), float32)
+    part[0, t] = s_d
+    part[1, t] = s_dd
+    cuda.syncthreads()
+    step = 1
+    while step < lanes:
+        if lane % (2 * step) == 0 and lane + step < lanes:
+            part[0, t] += part[0, t + step * width]
+            part[1, t] += part[1, t + step * width]
+        cuda.syncthreads()
+        step *= 2
+    if lane == 0 and c < channels:
+        r = cuda.blockIdx.x // tiles
+        partials[r, c] = part[0, t]
+        partials[r, channels + c] = part[1, t]
+
+
+@cuda.jit
+def column_means_kernel(sums, mean):
+    """``mean[c] = sums[c] / N``, N the row count kernel A2 writes after the ``2 C`` sums."""
+    c = cuda.grid(1)
+    if c < mean.shape[0]:
+        mean[c] = sums[c] / sums[2 * mean.shape[0]]
+
+
+@cuda.jit
+def batch_statistics_finish_kernel(sums, mean0, momentum, running_mean, running_var, batch_mean, batch_var,
+                                   running_mean_out, running_var_out):
+    """From pass 2's ``sums`` (deviations from ``mean``, their squares, N): the mean
+    (``mean0``, pass 1's) corrected by the deviations' own mean, the biased variance ``E[d^2] - E[d]^2``,
+    and the running averages ``(1 - m) r + m s`` with the unbiased variance, as
+    PyTorch updates them."""
+    c = cuda.grid(1)
+    C = mean0.shape[0]
+    if c < C:
+        n = sums[2 * C]
+        e_d = sums[c] / n
+        v = max(sums[C + c] / n - e_d * e_d, float32(0.0))
+        m = mean0[c] + e_d
+        batch_mean[c] = m
+        batch_var[c] = v
+        unbiased = v * (n / max(n - float32(1.0), float32(1.0)))
+        keep = float32(1.0) - momentum
+        running_mean_out[c] = keep * running_mean[c] + momentum * m
+        running_var_out[c] = keep * running_var[c] + momentum * unbiased
+
+
+def _statistics_pass(xd, mean):
+    """Kernels S and A2: ``[sum(x - mean) (C) | sum((x - mean)^2) (C) | N]``, float32."""
+    n, c = xd.shape
+    xp = device_xp()
+    width = min(c, SUMS_THREADS)
+    tiles = -(-c // width)
+    groups = max(1, min(-(-n // ((SUMS_THREADS // width) * SUMS_ROWS_PER_THREAD)), SUMS_MAX_BLOCKS // tiles))
+    partials = xp.empty((groups, 2 * c), np.float32)  # every entry written by kernel S
+    sums = xp.empty(2 * c + 1, np.float32)
+    launch(batch_statistics_sums, 1, xd, mean, tiles, partials, threads=SUMS_THREADS, blocks=tiles * groups)
+    launch(batch_norm_backward_total_v2, 2 * c, partials, n, sums)
+    return sums
+
+
+_ZEROS = {}
+
+
+def _zeros(c):
+    """A float32 zero array of ``c`` on the device, made once per channel count and device."""
+    xp = device_xp()
+    key = (c, None if xp is np else xp.cuda.runtime.getDevice())
+    if key not in _ZEROS:
+        _ZEROS[key] = xp.zeros(c, np.float32)
+    return _ZEROS[key]
+
+
+def batch_statistics_update(x, running_mean, running_var, momentum):
+    """Training-mode BatchNorm's statistics of ``x`` (N >= 1, C) on the device:
+    ``(mean, var, new running mean, new running var)``, all float32 (C,), the variance
+    biased (what normalizes), the running one updated with the unbiased variance.
+    Six launches, no temporary the size of ``x``, the same bits every run;
+    :func:`batch_statistics` is the array library's version (and the reference's)."""
+    xd = to_device(x)
+    c = xd.shape[1]
+    xp = device_xp()
+    first = _statistics_pass(xd, _zeros(c))  # [sum x | sum x^2 | N]
+    mean0 = xp.empty(c, np.float32)
+    launch(column_means_kernel, c, first, mean0)
+    second = _statistics_pass(xd, mean0)  # deviations from that mean
+    mean, var, new_mean, new_var = (xp.empty(c, np.float32) for _ in range(4))
+    launch(batch_statistics_finish_kernel, c, second, mean0, float(momentum), _f32(running_mean),
+           _f32(running_var), mean, var, new_mean, new_var)
+    return mean, var, new_mean, new_var
 
 
 # -------------------------------------------------------------------- the ladder

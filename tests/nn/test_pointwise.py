@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from numba_sc.nn import pointwise as pw
-from numba_sc.core.backend import to_host
+from numba_sc.core.backend import to_device, to_host
 
 from helpers import host, rel_err, scan_crop
 
@@ -242,3 +242,21 @@ def test_relu_backward():
     want = np.array([[1.0, 0.0], [0.0, 4.0]], np.float32)
     assert np.array_equal(pw.relu_backward_reference(g, y), want)
     assert np.array_equal(to_host(pw.relu_backward(g, y, backend="cuda")), want)
+
+
+@pytest.mark.parametrize("n,c,dtype", [(203, 5, np.float32), (40, 260, np.float16)])
+def test_training_statistics_in_two_passes(n, c, dtype):
+    """Training-mode BatchNorm's statistics from kernel A's two passes equal float64
+    NumPy's: the mean, the biased variance (of data far from zero: the second pass sums
+    deviations, not squares), the running averages with the unbiased variance. 260
+    channels take two channel tiles of the sums kernel."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((n, c)) * 0.5 + 40.0).astype(dtype)
+    rm, rv = rng.normal(0, 1, c).astype(np.float32), rng.uniform(0.5, 2, c).astype(np.float32)
+    mean, var, new_rm, new_rv = (host(a) for a in pw.batch_statistics_update(to_device(x), rm, rv, 0.25))
+    xf = x.astype(np.float64)
+    tol = dict(rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(mean, xf.mean(0), **tol)
+    np.testing.assert_allclose(var, xf.var(0), rtol=2e-4)  # a variance 1/6400 of the mean's square
+    np.testing.assert_allclose(new_rm, 0.75 * rm + 0.25 * xf.mean(0), **tol)
+    np.testing.assert_allclose(new_rv, 0.75 * rv + 0.25 * xf.var(0, ddof=1), rtol=2e-4)
