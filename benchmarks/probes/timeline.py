@@ -11,7 +11,8 @@ workload (MinkUNet42 fp32: the forward pass, and a training step: forward in tra
 mode + backward from a fixed output gradient; the strided 2x2x2 Map step alone) it
 records, per call: the wall time (without the profiler, median of ``--reps``), the
 number of device operations, the time the device was busy (the union of their
-intervals, with the profiler on), and the operations with the most device time.
+intervals, with the profiler on), the operations with the most device time, and the
+most frequent ones.
 Busy / wall near 1 means GPU-bound; far below, host-bound: what the GPU waited for is
 the host's launches and reads.
 
@@ -65,13 +66,16 @@ def trace(fn, reps):
             fn()
         sync()
     ops = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_name = {}
+    by_name, count = {}, {}
     for e in ops:
         by_name[e.name] = by_name.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+        count[e.name] = count.get(e.name, 0) + 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+    frequent = sorted(count.items(), key=lambda kv: -kv[1])[:12]
     return {"wall_ms": round(statistics.median(walls), 4), "ops": len(ops) / reps,
             "busy_ms": round(busy_ms([(e.time_range.start, e.time_range.end) for e in ops]) / reps, 4),
-            "top": [(n[:90], round(ms / reps, 4)) for n, ms in top]}
+            "top": [(n[:90], round(ms / reps, 4)) for n, ms in top],
+            "frequent": [(n[:90], c / reps) for n, c in frequent]}
 
 
 def workloads(cloud, data):
@@ -130,6 +134,8 @@ def main():
     ap.add_argument("--clouds", default="kitti_20k,kitti")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="timeline.json")
+    ap.add_argument("--only", default="", help="only the workloads whose name holds this text")
+    ap.add_argument("--frequent", action="store_true", help="also print the most frequent device operations")
     args = ap.parse_args()
     data = find_data(args.data)
     out = {"recorded": recorded("probes/timeline.py"), "clouds": {}}
@@ -137,12 +143,17 @@ def main():
         n = len(scan_coords(data, cloud))
         row = out["clouds"][cloud] = {"voxels": n}
         for work, contenders in workloads(cloud, data).items():
+            if args.only not in work:
+                continue
             for who, fn in contenders.items():
                 t = row.setdefault(work, {})[who] = trace(fn, args.reps)
                 print(f"{cloud:10s} {work:26s} {who:24s} wall {t['wall_ms']:8.3f} ms  busy {t['busy_ms']:8.3f} ms "
                       f"({t['busy_ms'] / t['wall_ms']:.0%})  {t['ops']:.0f} device ops", flush=True)
                 for name, ms in t["top"][:4]:
                     print(f"{'':40s}{ms:8.3f} ms  {name}")
+                if args.frequent:
+                    for name, c in t["frequent"]:
+                        print(f"{'':40s}{c:8.1f} x   {name}")
         Path(args.out).write_text(json.dumps(out, indent=1))
 
 
