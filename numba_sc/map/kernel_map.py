@@ -805,8 +805,7 @@ def build_kernel_map(in_coords: cv.Array, kernel_size: cv.IntOr3 = 3, stride: cv
     """
     _check_columns(in_coords, out_coords)
     if method == "auto":
-        method = ch.map_method_for(in_coords.shape[0],
-                                   lambda: len(layer_arguments(kernel_size, stride, dilation, tensor_stride)[4]))
+        method = auto_map_method(in_coords.shape[0], kernel_size, stride, dilation, tensor_stride)
     kw = dict(kernel_size=kernel_size, stride=stride, dilation=dilation, tensor_stride=tensor_stride,
               out_coords=out_coords, source_block=source_block, query_block=query_block,
               assume_sorted=assume_sorted, symmetric=symmetric, masks=masks, method=method)
@@ -820,6 +819,12 @@ def build_kernel_map(in_coords: cv.Array, kernel_size: cv.IntOr3 = 3, stride: cv
         setattr(m, name, like(getattr(m, name), in_coords))
     m.stats = {key: like(v, in_coords) if hasattr(v, "shape") else v for key, v in m.stats.items()}
     return m
+
+
+def auto_map_method(n, kernel_size=3, stride=1, dilation=1, tensor_stride=1) -> str:
+    """What ``method="auto"`` runs for ``n`` inputs and this layer: the method
+    :func:`choose_map_method` measured for clouds of this size, else the rule of thumb."""
+    return ch.map_method_for(n, lambda: len(layer_arguments(kernel_size, stride, dilation, tensor_stride)[4]))
 
 
 def choose_map_method(in_coords, kernel_size=3, stride=1, dilation=1, tensor_stride=1, rounds=5,

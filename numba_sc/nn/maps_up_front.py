@@ -46,8 +46,7 @@ from ..coords.output_coords import finish_output_coords, start_output_coords
 from ..core.backend import filled, to_device, to_host
 from ..core.device import device_xp
 from ..core.tensor import CoordinateMaps
-from ..dataflows import choice as ch
-from ..map.kernel_map import layer_arguments, start_kernel_map_cuda
+from ..map.kernel_map import auto_map_method, start_kernel_map_cuda
 
 
 class MapPlan:
@@ -82,11 +81,6 @@ def _levels(plan, stride, path=()):
         yield from _levels(sub, s, path + (key,))
 
 
-def _method(coords, ks, st, dil, ts):
-    """What ``build_kernel_map(method="auto")`` resolves to for these arguments."""
-    return ch.map_method_for(coords.shape[0], lambda: len(layer_arguments(ks, st, dil, ts)[4]))
-
-
 def build_maps(plan: MapPlan, x) -> None:
     """Build every map of ``plan`` on ``x``'s coordinates and put them in ``x.maps``
     (kernel backends: the GPU, or the simulator). See the module docstring."""
@@ -104,18 +98,18 @@ def build_maps(plan: MapPlan, x) -> None:
             coords[path] = finish_output_coords(p, counts[2 * i:2 * i + 2])
     # 3. every map queued, then their reports read together
     nodes = [((), plan, root_stride)] + levels
+    def start(c, ks, st, dil, ts, out=None):  # as a layer builds its map (gmas.conv), the read left for later
+        return start_kernel_map_cuda(c, ks, st, dil, ts, out_coords=out, assume_sorted=True, masks=True,
+                                     method=auto_map_method(c.shape[0], ks, st, dil, ts), read=False)
+
     queued = []  # (path, key, child path or None, pending map)
     for path, node, ts in nodes:
         c = coords[path]
-        for key in node.subm:
-            ks, dil = key
-            queued.append((path, key, None, start_kernel_map_cuda(
-                c, ks, 1, dil, ts, assume_sorted=True, masks=True, method=_method(c, ks, 1, dil, ts), read=False)))
+        for ks, dil in node.subm:
+            queued.append((path, (ks, dil), None, start(c, ks, 1, dil, ts)))
         for key, _ in node.down:
             ks, st, dil = key
-            queued.append((path, key, path + (key,), start_kernel_map_cuda(
-                c, ks, st, dil, ts, out_coords=coords[path + (key,)], assume_sorted=True, masks=True,
-                method=_method(c, ks, st, dil, ts), read=False)))
+            queued.append((path, key, path + (key,), start(c, ks, st, dil, ts, coords[path + (key,)])))
     reports = [p.report for *_, p in queued]
     host = to_host(device_xp().concatenate(reports)) if reports else None  # read 2
     # 4. into the coordinate sets, where the layers look

@@ -488,8 +488,8 @@ def batch_norm_backward_sums_v2(g, x, y, relu, mean, var, eps, tiles, partials):
     threads read one contiguous stretch of memory, and each thread walks down its
     channel, ``lanes * blocks`` rows at a time, keeping its two sums in registers.
     Then the block adds its lanes together in shared memory (a tree: lane ``r``
-    takes lane ``r + step``, step 1, 2, 4, ...) and lane 0 writes the block's two
-    sums of its channel to the block's row of ``partials``;
+    takes lane ``r + step``, step 1, 2, 4, ...; :func:`add_lanes_to_row`) and lane 0
+    writes the block's two sums of its channel to the block's row of ``partials``;
     :func:`batch_norm_backward_total_v2` adds the rows.
 
     Why a second kernel and not one atomic add per block into the sums: float
@@ -524,8 +524,17 @@ def batch_norm_backward_sums_v2(g, x, y, relu, mean, var, eps, tiles, partials):
             i += stride
         s_gx *= inv_std  # sum(g' * (x - mean)) * inv_std = sum(g' * xhat): one multiply, not one a row
     part = cuda.shared.array((2, SUMS_THREADS), float32)
-    part[0, t] = s_g
-    part[1, t] = s_gx
+    add_lanes_to_row(part, s_g, s_gx, t, lane, lanes, width, c, channels, cuda.blockIdx.x // tiles, partials)
+
+
+@cuda.jit(device=True)
+def add_lanes_to_row(part, s0, s1, t, lane, lanes, width, c, channels, row, partials):
+    """The end of every column-sum kernel here (kernel A, kernel S): the block's
+    threads put their two sums in ``part`` (shared, 2 x SUMS_THREADS), add the lanes
+    pairwise in a tree (lane ``r`` takes lane ``r + step``, step 1, 2, 4, ...), and
+    lane 0 writes its channel's two totals to row ``row`` of ``partials``."""
+    part[0, t] = s0
+    part[1, t] = s1
     cuda.syncthreads()
     step = 1
     while step < lanes:  # the same count in every thread: each reaches every syncthreads
@@ -535,9 +544,8 @@ def batch_norm_backward_sums_v2(g, x, y, relu, mean, var, eps, tiles, partials):
         cuda.syncthreads()
         step *= 2
     if lane == 0 and c < channels:
-        r = cuda.blockIdx.x // tiles
-        partials[r, c] = part[0, t]
-        partials[r, channels + c] = part[1, t]
+        partials[row, c] = part[0, t]
+        partials[row, channels + c] = part[1, t]
 
 
 @cuda.jit
@@ -596,15 +604,23 @@ def batch_norm_backward_sums(g, x, y, mean, var, eps=1e-5, relu=False):
     xp = device_xp()
     if n == 0:
         return xp.zeros(2 * c + 1, np.float32)
+    return column_sums_and_total(batch_norm_backward_sums_v2, n, c, gd, to_device(x), to_device(y), bool(relu),
+                                 _f32(mean), _f32(var), float(eps))
+
+
+def column_sums_and_total(kernel, n, c, *args):
+    """Launch a column-sum kernel shaped as kernel A over ``n`` rows and ``c`` channels
+    (its arguments ``args``, then ``tiles`` and ``partials``), then kernel A2: a new
+    float32 array ``[C sums | C sums | N]``."""
+    xp = device_xp()
     width = min(c, SUMS_THREADS)
     tiles = -(-c // width)
     lanes = SUMS_THREADS // width
     per_block = lanes * SUMS_ROWS_PER_THREAD
     groups = max(1, min(-(-n // per_block), SUMS_MAX_BLOCKS // tiles))  # blocks down the rows
-    partials = xp.empty((groups, 2 * c), np.float32)  # every entry written by kernel A
+    partials = xp.empty((groups, 2 * c), np.float32)  # every entry written by the kernel
     sums = xp.empty(2 * c + 1, np.float32)
-    launch(batch_norm_backward_sums_v2, 1, gd, to_device(x), to_device(y), bool(relu), _f32(mean), _f32(var),
-           float(eps), tiles, partials, threads=SUMS_THREADS, blocks=tiles * groups)
+    launch(kernel, 1, *args, tiles, partials, threads=SUMS_THREADS, blocks=tiles * groups)
     launch(batch_norm_backward_total_v2, 2 * c, partials, n, sums)
     return sums
 
@@ -668,20 +684,7 @@ def batch_statistics_sums(x, mean, tiles, partials):
             s_dd += d * d
             i += stride
     part = cuda.shared.array((2, SUMS_THREADS), float32)
-    part[0, t] = s_d
-    part[1, t] = s_dd
-    cuda.syncthreads()
-    step = 1
-    while step < lanes:
-        if lane % (2 * step) == 0 and lane + step < lanes:
-            part[0, t] += part[0, t + step * width]
-            part[1, t] += part[1, t + step * width]
-        cuda.syncthreads()
-        step *= 2
-    if lane == 0 and c < channels:
-        r = cuda.blockIdx.x // tiles
-        partials[r, c] = part[0, t]
-        partials[r, channels + c] = part[1, t]
+    add_lanes_to_row(part, s_d, s_dd, t, lane, lanes, width, c, channels, cuda.blockIdx.x // tiles, partials)
 
 
 @cuda.jit
@@ -716,16 +719,7 @@ def batch_statistics_finish_kernel(sums, mean0, momentum, running_mean, running_
 
 def _statistics_pass(xd, mean):
     """Kernels S and A2: ``[sum(x - mean) (C) | sum((x - mean)^2) (C) | N]``, float32."""
-    n, c = xd.shape
-    xp = device_xp()
-    width = min(c, SUMS_THREADS)
-    tiles = -(-c // width)
-    groups = max(1, min(-(-n // ((SUMS_THREADS // width) * SUMS_ROWS_PER_THREAD)), SUMS_MAX_BLOCKS // tiles))
-    partials = xp.empty((groups, 2 * c), np.float32)  # every entry written by kernel S
-    sums = xp.empty(2 * c + 1, np.float32)
-    launch(batch_statistics_sums, 1, xd, mean, tiles, partials, threads=SUMS_THREADS, blocks=tiles * groups)
-    launch(batch_norm_backward_total_v2, 2 * c, partials, n, sums)
-    return sums
+    return column_sums_and_total(batch_statistics_sums, *xd.shape, xd, mean)
 
 
 _ZEROS = {}
