@@ -86,7 +86,7 @@ def layer_rows(r, source):
 def map_rows(r, source):
     rows = []
     for cloud, c in r["clouds"].items():
-        for work in ("subm k3", "strided k2 s2"):
+        for work in (w for w in c if w != "voxels"):
             t = {k: v["host_ms"] for k, v in c[work].items() if k == "ours" or k.startswith("spconv")}
             rows.append(_row("Map step, 15-25k voxels", f"build_kernel_map, {work}", cloud, c["voxels"], "-",
                              t.pop("ours"), t, source))

@@ -69,12 +69,14 @@ def output_coordinates_reference(coords, stride, tensor_stride=1):
 
 
 @cuda.jit
-def downsample_pack_kernel(coords, s, sx, sy, sz, keys, report):
+def downsample_pack_kernel(coords, s, sx, sy, sz, rlx, rly, rlz, rhx, rhy, rhz, keys, flags):
     """One thread per input coordinate: key of floor(c / stride) * stride.
 
     Numba's integer ``//`` follows Python: it floors, also for negatives. A
-    coordinate whose snapped value (or batch index) leaves the packable range
-    sets ``report[0]`` instead of wrapping; the host then explains the error.
+    coordinate whose snapped value (or batch index) leaves the packable range,
+    or would leave it when moved by an offset in [reach_lo, reach_hi] (the
+    kernel's reach, when a Map step searches these outputs; zero otherwise), sets
+    ``flags[0]`` instead of wrapping; the host then explains the error.
     """
     i = cuda.grid(1)
     if i < coords.shape[0]:
@@ -82,18 +84,21 @@ def downsample_pack_kernel(coords, s, sx, sy, sz, keys, report):
         x = (np.int64(coords[i, s]) // sx) * sx
         y = (np.int64(coords[i, s + 1]) // sy) * sy
         z = (np.int64(coords[i, s + 2]) // sz) * sz
-        if (0 <= b <= cv.BATCH_MAX and cv.COORD_MIN <= x <= cv.COORD_MAX
-                and cv.COORD_MIN <= y <= cv.COORD_MAX and cv.COORD_MIN <= z <= cv.COORD_MAX):
+        if cv.fits_device(b, x, y, z, rlx, rly, rlz, rhx, rhy, rhz):
             keys[i] = cv.pack_key_device(b, x, y, z)
         else:
             keys[i] = 0
-            report[0] = 1
+            flags[0] = 1
 
 
-def _pack(coords, stride, tensor_stride, report=None):
+NO_REACH = ((0, 0, 0), (0, 0, 0))
+
+
+def _pack(coords, stride, tensor_stride, report=None, reach=NO_REACH):
     """What both rungs start with: the snapped keys on the device, and the report
     ``[out of range, unique keys]`` whose first entry the pack kernel sets (zeroed
     int64 (2,); a caller may hand in a view of a larger one, read once for many).
+    ``reach``: the (lo, hi) offsets a search will add to the outputs.
     Returns ``(coords on the device, batch column 0/1, keys, report)``."""
     # Shape and dtype here; the range inside the kernel (no min/max reductions).
     coords = cv.validate_coords(coords, "coords", check_range=False)
@@ -102,7 +107,7 @@ def _pack(coords, stride, tensor_stride, report=None):
     n, s = c.shape[0], c.shape[1] - 3
     keys = device_xp().empty(n, dtype=np.int64)
     report = filled(2, np.int64, 0) if report is None else report
-    launch(downsample_pack_kernel, n, c, s, sx, sy, sz, keys, report)
+    launch(downsample_pack_kernel, n, c, s, sx, sy, sz, *reach[0], *reach[1], keys, report)
     return c, s, keys, report
 
 
@@ -163,6 +168,16 @@ def start_output_coords(coords, stride, tensor_stride=1, report=None) -> Pending
     c, s, keys, report = _pack(coords, stride, tensor_stride, report)
     ukeys = sort_unique_keys_cuda(keys, report, 1)
     return PendingCoords(c, s, ukeys, report, stride, tensor_stride)
+
+
+def start_output_keys(coords, stride, tensor_stride, flags, count, slot, reach, out):
+    """The output keys alone, for a Map step that searches them at once
+    (:mod:`numba_sc.map.kernel_map`, a strided layer): pack with the kernel's
+    ``reach`` checked (``flags[0]``), sort, de-duplicate into ``out`` (as long as
+    ``coords``; the first M entries are the keys), M into ``count[slot]``. Nothing
+    is read here."""
+    _, _, keys, _ = _pack(coords, stride, tensor_stride, flags, tuple(tuple(int(v) for v in r) for r in reach))
+    return sort_unique_keys_cuda(keys, count, slot, out)
 
 
 def finish_output_coords(pending: PendingCoords, report) -> cv.Array:

@@ -65,6 +65,7 @@ from ..core.device import device_xp
 from ..core.backend import to_device, to_host
 from ..core.launch import launch
 from ..core.rungs import Ladder, Rung
+from .forward_search import placeholder
 from .query_segments import query_key, query_key_reference
 
 # Defaults of B and C, picked by the B x C sweep on an H100 (benchmarks/bench_map.py,
@@ -244,7 +245,7 @@ BACKWARD_THREADS = 256  # threads per block of the backward kernel (the shared a
 
 
 @cuda.jit
-def backward_search_v2(skeys, qkeys, deltas, B, C, bounds, rows, n_rows):
+def backward_search_v2(skeys, qkeys, deltas, B, C, bounds, rows, n_rows, n_known, n_out):
     """v2, the library's: one thread per (segment k, source block j): query block (k, j),
     cut into balanced rows, all in one kernel.
 
@@ -265,6 +266,10 @@ def backward_search_v2(skeys, qkeys, deltas, B, C, bounds, rows, n_rows):
     nothing: every row writes its own queries' entries of the table. The
     alternative, a library scan of the piece counts and one more kernel to write
     the rows, costs two more launches.
+
+    The segments hold ``n_known`` queries, or ``n_out[0]`` when that is -1: a
+    strided layer's outputs are counted on the device in the same Map step, and
+    ``qkeys`` is then an upper bound of that length whose tail is never read.
     """
     t = cuda.grid(1)
     tid = cuda.threadIdx.x
@@ -274,12 +279,13 @@ def backward_search_v2(skeys, qkeys, deltas, B, C, bounds, rows, n_rows):
     if tid == 0:
         block_rows[0] = 0
     n = mine = k = j = start = size = end = 0
+    n_query = n_known if n_known >= 0 else n_out[0]
     active = t < deltas.shape[0] * nb
     if active:
         k = t // nb
         j = t - k * nb
         pivot = skeys[min((j + 1) * B, skeys.shape[0]) - 1]  # last key of source block j
-        end = upper_bound_in_segment(qkeys, deltas, k, pivot, qkeys.shape[0])
+        end = upper_bound_in_segment(qkeys, deltas, k, pivot, n_query)
         bounds[k, j + 1] = end
         if j == 0:
             bounds[k, 0] = 0  # every segment's first block starts at its first query
@@ -310,14 +316,16 @@ def backward_search_v2(skeys, qkeys, deltas, B, C, bounds, rows, n_rows):
         rows[r, 3] = start + (p + 1) * size // n
 
 
-def backward_search_cuda(skeys, qkeys, deltas, B, C, max_rows, n_rows=None, bounds=None, rows=None):
+def backward_search_cuda(skeys, qkeys, deltas, B, C, max_rows, n_rows=None, bounds=None, rows=None, n_out=None):
     """Device ``(bounds, rows, n_rows)`` from one launch for all K segments.
 
     ``bounds`` int64 (K, nblocks + 1); ``rows`` int32 (max_rows, 4), of which the
     first ``n_rows[0]`` are written, in no particular order; ``n_rows`` a 1-element
     int64 device array (given, zeroed, or made here), never read on the host here.
     ``max_rows``: :func:`max_balanced_blocks`. ``bounds`` and ``rows`` are made
-    here unless given (the Map step cuts them from one allocation).
+    here unless given (the Map step cuts them from one allocation). ``n_out``: None
+    when every query key is a query, else a 1-element device array holding how many
+    of ``qkeys`` are (see the kernel).
     """
     xp = device_xp()
     K = deltas.shape[0]
@@ -330,8 +338,9 @@ def backward_search_cuda(skeys, qkeys, deltas, B, C, max_rows, n_rows=None, boun
         n_rows = xp.zeros(1, dtype=np.int64)
     # The kernel's shared array holds one end per thread: launch exactly that many
     # threads per block (under the simulator too, where fewer would be faster).
-    launch(backward_search_v2, K * nb, skeys, qkeys, deltas, B, C, bounds, rows, n_rows,
-           threads=BACKWARD_THREADS)
+    known = -1 if n_out is not None else int(qkeys.shape[0])
+    launch(backward_search_v2, K * nb, skeys, qkeys, deltas, B, C, bounds, rows, n_rows, known,
+           placeholder((1,)) if n_out is None else n_out, threads=BACKWARD_THREADS)
     return bounds, rows, n_rows
 
 

@@ -81,6 +81,7 @@ from numba import cuda, int32, int64, uint64
 from ..core.device import device_xp, simulating
 from ..core.backend import filled
 from ..core.launch import launch
+from ..core.pieces import Piece
 from ..core.rungs import Ladder, Rung
 from ..core.conventions import MASK_BITS, SIMULATOR_THREADS, chunk_size
 from .query_segments import query_key, query_key_reference
@@ -306,31 +307,40 @@ def forward_search_v4(B: int, with_masks: bool = False, threads: int = FORWARD_T
     n_tally, n_slots = np.uint64(TALLY), np.uint64(TALLY_SLOTS)
 
     @cuda.jit(device=True, inline=True)
-    def count_pair(tally, slot0, chunk_counts, row, c, c0):
+    def count_pair(tally, slot0, chunk_counts, n_chunks, row, c, c0):
         """One pair of table row ``row`` in chunk ``c``: into ``tally[slot0 + c - c0]``
-        when that is one of the block's TALLY slots from chunk ``c0``, else global."""
+        when that is one of the block's TALLY slots from chunk ``c0``, else global
+        (``chunk_counts`` is (K, n_chunks), stored flat)."""
         if c - c0 < n_tally:
             cuda.atomic.add(tally, slot0 + c - c0, 1)
         else:
-            cuda.atomic.add(chunk_counts, (row, c), 1)
+            cuda.atomic.add(chunk_counts, row * n_chunks + c, 1)
 
     @cuda.jit(device=True, inline=True)
-    def set_bit(masks, k, i):
-        """Bit k of point i's mask: ``masks[k // MASK_BITS, i] |= 1 << (k % MASK_BITS)``.
-        Other blocks may set other bits of the same word (other offsets of point i)
-        at the same time, hence the atomic OR."""
-        cuda.atomic.or_(masks, (k // bits, i), np.int64(1) << int64(k % bits))
+    def set_bit(masks, width, k, i):
+        """Bit k of point i's mask: ``masks[k // MASK_BITS, i] |= 1 << (k % MASK_BITS)``
+        (``masks`` is (words, width), stored flat). Other blocks may set other bits
+        of the same word (other offsets of point i) at the same time, hence the
+        atomic OR."""
+        cuda.atomic.or_(masks, (k // bits) * width + i, np.int64(1) << int64(k % bits))
 
     @cuda.jit
-    def forward_search(skeys, qkeys, deltas, rows, n_rows, table, counts, chunk_shift, chunk_counts, out_masks,
-                       in_masks):
+    def forward_search(skeys, qkeys, deltas, rows, n_rows, n_known, n_out, table, counts, chunk_shift,
+                       chunk_counts, out_masks, in_masks):
         """One thread block per balanced query block ``rows[blockIdx]``; also counts
         the pairs per offset, and per offset and chunk of ``2**chunk_shift`` outputs
         for the metadata stage (``chunk_counts[k, i >> chunk_shift]``: a shift, where a
         64-bit division by a run-time chunk is a software routine of dozens of
         instructions, run for every pair), and for each pair (k, i, j)
         sets bit k of output i's mask and of input j's (``out_masks``, ``in_masks``,
-        see :mod:`numba_sc.gmas.metadata`)."""
+        see :mod:`numba_sc.gmas.metadata`).
+
+        ``table`` (K, |Q|), ``chunk_counts`` (K, chunks), ``out_masks`` (words, |Q|)
+        and ``in_masks`` (words, |P|) are stored flat and indexed by hand, because
+        their width |Q| may be known on the device only: ``n_known`` when the host
+        knows it, else ``n_out[0]``, the outputs a strided layer counts on the device
+        in the same Map step (the host learns the count with the report, after the
+        search: one read, not two)."""
         if cuda.blockIdx.x >= n_rows[0]:
             return  # surplus block of the upper-bound launch; the whole block leaves together
         r = uint64(cuda.blockIdx.x)
@@ -339,13 +349,16 @@ def forward_search_v4(B: int, with_masks: bool = False, threads: int = FORWARD_T
         q0 = uint64(rows[r, 2])
         q1 = uint64(rows[r, 3])
         shift = uint64(chunk_shift)
+        width = uint64(n_known) if n_known >= 0 else uint64(n_out[0])  # |Q|: the rows of table, out_masks
+        n_chunks = (width + (one << shift) - one) >> shift  # ... and of chunk_counts
+        n_in = uint64(skeys.shape[0])  # |P|: the row length of in_masks
         first = j * size  # global sorted index of the source block's first key
         # Only segments 0..h-1 are searched (h = deltas.shape[0]); with a symmetric
         # submanifold kernel the rows h..K-1 of the table are the mirrors of rows
         # K-1-h..0 (see mirror_reference). Without one, h = K and nothing is mirrored.
-        mirror = uint64(table.shape[0]) - one - k
+        mirror = uint64(counts.shape[0]) - one - k
         mirrored = mirror >= uint64(deltas.shape[0])  # row `mirror` is not searched: write its pairs
-        n = min(size, uint64(skeys.shape[0]) - first)  # the last source block may be short
+        n = min(size, n_in - first)  # the last source block may be short
         source = cuda.shared.array(B, int64)  # B is a compile-time constant here
         hits = cuda.shared.array(1, int32)
         tally = cuda.shared.array(TALLY_SLOTS, int32)  # per chunk: row k's, then the mirror's
@@ -381,17 +394,17 @@ def forward_search_v4(B: int, with_masks: bool = False, threads: int = FORWARD_T
             # lo < n always holds (the query is <= the block's pivot, source[n - 1]);
             # the test only guards against a corrupted rows array
             if lo < n and source[lo] == q:
-                table[k, i] = first + lo
-                count_pair(tally, zero, chunk_counts, k, i >> shift, c_main)
+                table[k * width + i] = first + lo
+                count_pair(tally, zero, chunk_counts, n_chunks, k, i >> shift, c_main)
                 if with_masks:
-                    set_bit(out_masks, k, i)
-                    set_bit(in_masks, k, first + lo)
-                if mirrored:
-                    table[mirror, first + lo] = i
-                    count_pair(tally, n_tally, chunk_counts, mirror, (first + lo) >> shift, c_mirror)
+                    set_bit(out_masks, width, k, i)
+                    set_bit(in_masks, n_in, k, first + lo)
+                if mirrored:  # submanifold: |Q| = |P|
+                    table[mirror * width + first + lo] = i
+                    count_pair(tally, n_tally, chunk_counts, n_chunks, mirror, (first + lo) >> shift, c_mirror)
                     if with_masks:
-                        set_bit(out_masks, mirror, first + lo)
-                        set_bit(in_masks, mirror, i)
+                        set_bit(out_masks, width, mirror, first + lo)
+                        set_bit(in_masks, n_in, mirror, i)
                 mine += 1
         # Pairs per offset, counted where they are found: one shared-memory atomic
         # per thread, one global atomic per block, instead of a reduction over the
@@ -406,28 +419,30 @@ def forward_search_v4(B: int, with_masks: bool = False, threads: int = FORWARD_T
         for u in range(t0, n_slots, step):  # the tallies, once a block
             if tally[u] > 0:
                 if u < n_tally:
-                    cuda.atomic.add(chunk_counts, (k, c_main + u), tally[u])
+                    cuda.atomic.add(chunk_counts, k * n_chunks + c_main + u, tally[u])
                 else:
-                    cuda.atomic.add(chunk_counts, (mirror, c_mirror + u - n_tally), tally[u])
+                    cuda.atomic.add(chunk_counts, mirror * n_chunks + c_mirror + u - n_tally, tally[u])
 
     return forward_search
 
 
-_NO_MASKS = {}  # a 1 x 1 placeholder per array library, made once
+_NO_MASKS = {}  # placeholders per array library and shape, made once
 
 
-def no_masks():
-    """The placeholder passed for both mask arrays to a kernel that sets no masks (the
-    kernel takes them but never touches them); one per array library, made once."""
+def placeholder(shape=(1, 1)):
+    """The int64 zeros passed for an array a kernel takes but never touches (the
+    masks of a search that sets none; the device count of outputs the host knows);
+    one per array library and shape, made once. Never the same array as another
+    argument: the simulator copies each argument back after the launch."""
     xp = device_xp()
-    if xp not in _NO_MASKS:
-        _NO_MASKS[xp] = xp.zeros((1, 1), np.int64)
-    return _NO_MASKS[xp]
+    if (xp, shape) not in _NO_MASKS:
+        _NO_MASKS[xp, shape] = xp.zeros(shape, np.int64)
+    return _NO_MASKS[xp, shape]
 
 
 def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=None, n_offsets=None,
-                        chunk=None, chunk_counts=None, out_masks=None, in_masks=None):
-    """Launch the forward search over ``grid`` thread blocks; returns ``(table, counts)``.
+                        chunk=None, chunk_counts=None, out_masks=None, in_masks=None, n_out=None):
+    """Launch the forward search over ``grid`` thread blocks; returns ``(table, counts, chunk_counts)``.
 
     ``n_offsets``: rows of the table, K. Default: one per delta. When it is larger
     than ``len(deltas)`` only the first segments are searched and the others are
@@ -440,21 +455,28 @@ def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=N
     given) receives the pairs per offset; the table is int32 (K, |Q|).
 
     ``chunk``: outputs per metadata chunk (default
-    :func:`numba_sc.gmas.metadata.chunk_size`). Returns ``(table, counts, chunk_counts)``
-    with ``chunk_counts`` int32 (K, ceil(|Q| / chunk)): the pairs of offset k among
-    outputs ``c * chunk .. (c + 1) * chunk - 1``, what
+    :func:`numba_sc.gmas.metadata.chunk_size`). ``chunk_counts`` int32 (K, ceil(|Q| / chunk)):
+    the pairs of offset k among outputs ``c * chunk .. (c + 1) * chunk - 1``, what
     :func:`numba_sc.gmas.metadata.chunk_counts_kernel` would count by reading the
     whole table again. Counting where the pairs are found saves that pass.
-    ``chunk_counts``, when given, must be zeros of that shape (made here otherwise).
-    ``out_masks``, ``in_masks``: int64 zeros (ceil(K / MASK_BITS), |Q|) and
-    (..., |P|), or None (no masks: the Map step alone does not need them). Bit
-    ``k % MASK_BITS`` of ``out_masks[k // MASK_BITS, i]`` is set when output i
-    has a pair through offset k, and of ``in_masks[k // MASK_BITS, j]`` when
-    input j has one (the metadata stage's :func:`~numba_sc.gmas.metadata.masks_kernel`
-    would find them by reading the whole table again).
+    ``chunk_counts``, when given, must be zeros of that size, flat (made here otherwise).
+    ``out_masks``, ``in_masks``: int64 zeros of ceil(K / MASK_BITS) * |Q| and
+    ceil(K / MASK_BITS) * |P| words, flat, or None (no masks: the Map step alone
+    does not need them). Bit ``k % MASK_BITS`` of ``out_masks[k // MASK_BITS, i]``
+    is set when output i has a pair through offset k, and of
+    ``in_masks[k // MASK_BITS, j]`` when input j has one (the metadata stage's
+    :func:`~numba_sc.gmas.metadata.masks_kernel` would find them by reading the
+    whole table again).
+
+    ``n_out``: None when |Q| = ``len(qkeys)``; else a 1-element device array that
+    holds |Q| (a strided layer's outputs, counted on the device), ``qkeys`` being
+    an upper bound of that length. The table and chunk counts then come back flat,
+    sized for the upper bound: their first ``K * |Q|`` (``K * chunks``) entries are
+    the (K, |Q|) arrays, for the caller to view once it has read |Q|.
     """
     K = deltas.shape[0] if n_offsets is None else int(n_offsets)
-    table = filled((K, qkeys.shape[0]), np.int32, -1)  # misses stay -1: only hits are written
+    Q = int(qkeys.shape[0])  # |Q|, or its upper bound
+    table = filled(K * Q, np.int32, -1)  # misses stay -1: only hits are written
     if counts is None:
         counts = filled(K, np.int64, 0)
     if chunk is None:
@@ -463,14 +485,20 @@ def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=N
     if chunk != 1 << shift:
         raise ValueError(f"chunk must be a power of two (threads x items per thread), got {chunk}")
     if chunk_counts is None:
-        chunk_counts = filled((K, -(-int(qkeys.shape[0]) // chunk)), np.int32, 0)
+        chunk_counts = filled(K * -(-Q // chunk), np.int32, 0)
     with_masks = out_masks is not None
     if not with_masks:  # the kernel takes them but never touches them
-        out_masks = in_masks = no_masks()
+        out_masks = in_masks = placeholder((1,))
+    known = n_out is None
     if grid > 0:
         threads = forward_threads(C)
         launch(forward_search_v4(int(B), with_masks, threads), int(grid), skeys, qkeys, deltas, rows, n_rows,
-               table, counts, shift, chunk_counts, out_masks, in_masks, threads=threads, blocks=int(grid))
+               Q if known else -1, placeholder((1,)) if known else n_out, table, counts, shift, chunk_counts, out_masks, in_masks,
+               threads=threads, blocks=int(grid))
+    if known:
+        table = table.reshape(K, Q)
+        if chunk_counts.ndim == 1 and type(chunk_counts) is not Piece:  # made here: a real array
+            chunk_counts = chunk_counts.reshape(K, -1)
     return table, counts, chunk_counts
 
 
@@ -501,7 +529,7 @@ def _run_rung(rung, w):
     K, P = w["table_shape"]
     if rung == "v4":  # the library's: the upper-bound grid, counts, chunk counts and masks
         half = w["half"]
-        masks = [filled((-(-K // 32), P), np.int64, 0) for _ in range(2)]
+        masks = [filled(-(-K // MASK_BITS) * P, np.int64, 0) for _ in range(2)]  # flat (words, |P|)
         table, _, _ = forward_search_cuda(w["keys"], w["keys"], half["deltas"], half["rows"], half["n_rows"], B, C,
                                           half["upper"], n_offsets=K, out_masks=masks[0], in_masks=masks[1])
         return table

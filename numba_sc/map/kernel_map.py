@@ -60,6 +60,9 @@ device once, at the end: a small *report* with the pack kernel's flags (out of
 range? out of order?), the number of balanced blocks and the pairs per offset.
 The search trusts the order and the report confirms it; input that turns out
 unsorted is then sorted and searched again (see :func:`build_kernel_map_cuda`).
+A strided layer makes its output coordinates in the same step, and their count
+rides in the report too: every size before it is taken from the input, since a
+stride never makes more outputs than inputs (:func:`_start_counted`).
 """
 from __future__ import annotations
 
@@ -82,7 +85,9 @@ from . import grid_map
 from . import hash_map
 from .forward_search import forward_search_cuda, forward_search_reference, mirror_reference
 from .map_probe import probe_cuda, probe_reference
-from ..coords.output_coords import output_coordinates
+from ..coords.output_coords import output_coordinates, output_coordinates_reference, start_output_keys
+from ..coords.voxelization import unpack_kernel
+from ..core.launch import launch
 from .sorting import sort_rows_cuda, sort_rows_reference
 
 
@@ -419,7 +424,9 @@ def check_method(method):
 # read once when the map is done:
 REPORT_IN = 0  # report[0:3]: in_coords flags: out of range, unsorted, repeated rows
 REPORT_OUT = 3  # report[3:6]: the same for the query (output) coordinates
-REPORT_ROWS = 6  # report[6]: balanced query blocks; report[7:]: pairs per offset
+REPORT_ROWS = 6  # report[6]: balanced query blocks
+REPORT_NOUT = 7  # report[7]: the outputs a strided layer counted on the device (else 0)
+REPORT_COUNTS = 8  # report[8:]: pairs per offset
 
 
 @lru_cache(maxsize=64)
@@ -444,7 +451,7 @@ class _Work:
     ``docs/performance.md``, "Memory without host round trips"). Layout, in int64
     words::
 
-        report        REPORT_ROWS + 1 + K   the flags, the row count, pairs per offset
+        report        REPORT_COUNTS + K     flags, row count, output count, pairs per offset
         chunk_counts  K * n_chunks int32     pairs per offset and chunk of outputs
         keys          |P| (+ |Q|)            packed input (and output) keys
         bounds        h * (nblocks + 1)      query block borders
@@ -455,12 +462,18 @@ class _Work:
 
     ``report`` is a CuPy (or NumPy) array, since the map hands out a view of it
     (``counts``); the rest are :class:`numba_sc.core.pieces.Piece` s, kernel arguments only.
+    The chunk counts and masks come twice, as the map's 2-D pieces and as the flat
+    ones the forward search writes (its row length may be known on the device
+    only). For a strided layer whose outputs are counted on the device, ``Q`` here
+    is their upper bound ``P``; :meth:`counted_views` cuts the map's pieces once
+    the count is read.
     """
 
     def __init__(self, K, h, P, Q, B, C, chunk, two_sides, masks):
         self.K, self.chunk = K, chunk
         words, self.upper, self.n_chunks, parts = _work_layout(K, h, P, Q, B, C, chunk, two_sides, masks)
         self.report = buf = filled(words, np.int64, 0)
+        self._parts = parts
         for name, offset, shape, dtype, template in parts:
             if shape is None:
                 setattr(self, name, None)
@@ -476,9 +489,18 @@ class _Work:
         sort path counts into; made only there (a piece costs host time)."""
         return piece(self.report, 8 * (slot + 2), (1,), np.int64)
 
+    def counted_views(self, Q):
+        """The map's chunk counts and output masks for ``Q`` outputs, as the forward
+        search wrote them flat: (K, ceil(Q / chunk)) and (W, Q) pieces."""
+        at = {name: offset for name, offset, *_ in self._parts}
+        cc = piece(self.report, at["chunk_counts"], (self.K, -(-Q // self.chunk)), np.dtype(np.int32))
+        om = None if self.out_masks is None else piece(self.report, at["out_masks"],
+                                                       (self.out_masks.shape[0], Q), np.dtype(np.int64))
+        return cc, om
+
     def counts_array(self):
         """The pairs per offset as a real array (a view of the report): the map's ``counts``."""
-        return self.report[REPORT_ROWS + 1:REPORT_ROWS + 1 + self.K]
+        return self.report[REPORT_COUNTS:REPORT_COUNTS + self.K]
 
 
 @lru_cache(maxsize=64)
@@ -490,7 +512,7 @@ def _work_layout(K, h, P, Q, B, C, chunk, two_sides, masks):
     n_chunks = -(-Q // chunk)
     upper = max_balanced_blocks(h, P, Q, B, C)
     nb = num_source_blocks(P, B)
-    R = REPORT_ROWS + 1 + K
+    R = REPORT_COUNTS + K
     W = mask_words(K) if masks else 0
     words = [R, -(-K * n_chunks // 2), P, Q if two_sides else 0, h * (nb + 1), 2 * max(upper, 1), W * Q, W * P]
     starts = [8 * w for w in accumulate(words, initial=0)]  # byte offsets
@@ -506,30 +528,38 @@ def _work_layout(K, h, P, Q, B, C, chunk, two_sides, masks):
         part("flags_in", 8 * REPORT_IN, (3,), i64),
         part("flags_out", 8 * REPORT_OUT, (3,) if two_sides else None, i64),
         part("n_rows", 8 * REPORT_ROWS, (1,), i64),
-        part("counts", 8 * (REPORT_ROWS + 1), (K,), i64),
-        part("chunk_counts", starts[1], (K, n_chunks), i32),
+        part("n_out", 8 * REPORT_NOUT, (1,), i64),
+        part("counts", 8 * REPORT_COUNTS, (K,), i64),
+        part("chunk_counts", starts[1], (K, n_chunks), i32),  # the map's; the forward search's flat:
+        part("chunk_flat", starts[1], (K * n_chunks,), i32),
         part("keys_in", starts[2], (P,), i64),
         part("keys_out", starts[3], (Q,) if two_sides else None, i64),
         part("bounds", starts[4], (h, nb + 1), i64),
         part("rows", starts[5], (max(upper, 1), 4), i32),
         part("out_masks", starts[6], (W, Q) if masks else None, i64),
         part("in_masks", starts[7], (W, P) if masks else None, i64),
+        part("out_masks_flat", starts[6], (W * Q,) if masks else None, i64),
+        part("in_masks_flat", starts[7], (W * P,) if masks else None, i64),
     )
     return starts[-1] // 8, upper, n_chunks, parts
 
 
-def _search_cuda(skeys, qkeys, d_deltas, K, B, C, work):
+def _search_cuda(skeys, qkeys, d_deltas, K, B, C, work, n_out=None):
     """Stages 5 and 6 on sorted keys: backward search and forward search, launched
     and not waited for. Returns ``(table, grid launched)``; the report is read
-    afterwards (``to_host(work.report_read)``)."""
+    afterwards (``to_host(work.report_read)``). ``n_out``: the device count of the
+    queries when ``qkeys`` is only their upper bound; the table then comes back
+    flat (see :func:`~numba_sc.map.forward_search.forward_search_cuda`)."""
     # On a GPU launch the upper bound of balanced blocks and let surplus blocks
     # exit (no sync, see forward_search.py). Under the simulator the count is a
     # NumPy value, free to read, and every launched block costs a crowd of threads.
-    backward_search_cuda(skeys, qkeys, d_deltas, B, C, work.upper, work.n_rows, work.bounds, work.rows)  # stage 5
+    backward_search_cuda(skeys, qkeys, d_deltas, B, C, work.upper, work.n_rows, work.bounds, work.rows,
+                         n_out)  # stage 5
     grid = min(int(work.n_rows[0]), work.upper) if simulating() else work.upper
     table, _, _ = forward_search_cuda(skeys, qkeys, d_deltas, work.rows, work.n_rows, B, C, grid, work.counts,
-                                      n_offsets=K, chunk=work.chunk, chunk_counts=work.chunk_counts,
-                                      out_masks=work.out_masks, in_masks=work.in_masks)  # stage 6
+                                      n_offsets=K, chunk=work.chunk, chunk_counts=work.chunk_flat,
+                                      out_masks=work.out_masks_flat, in_masks=work.in_masks_flat,
+                                      n_out=n_out)  # stage 6
     return table, grid
 
 
@@ -586,7 +616,7 @@ def build_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     # The read waits for the forward search (its GPU time on a 94k-voxel scan:
     # `python -m numba_sc ladder forward_search`): the caller may queue meanwhile the
     # work that needs no report (after the copy, so that the read does not wait for it).
-    if while_reading is not None and assume_sorted:
+    if while_reading is not None and assume_sorted and pending.map is not None:
         while_reading(pending.map)
     return pending.result()
 
@@ -600,7 +630,13 @@ def start_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
 
     ``read=False`` starts no copy (a thread has one asynchronous read in flight at a
     time, :meth:`numba_sc.core.pieces.Piece.get_async`): a caller with many maps reads
-    their ``.report`` s together and hands each its own to :meth:`PendingMap.result`."""
+    their ``.report`` s together and hands each its own to :meth:`PendingMap.result`.
+
+    A strided layer with default outputs (and the sorted search) counts its outputs
+    on the device: every size is taken from the input (there are at most |P|
+    outputs), the outputs' keys go straight to the search, and the count comes back
+    with the report, so the step reads once, not twice (:func:`_start_counted`);
+    ``.map`` is then None until :meth:`PendingMap.result`."""
     B, C = check_block_sizes(source_block, query_block)
     method = check_method(method)
     ks, st, dil, ts, offsets, _ = layer_arguments(kernel_size, stride, dilation, tensor_stride)
@@ -612,6 +648,9 @@ def start_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
     in_sorted = to_device(cv.validate_coords(in_coords, "in_coords", check_range=False))  # shape, dtype
     sides = [(REPORT_IN, in_coords, source_reach, "in_coords", assume_sorted)]
     out_sorted = in_sorted  # submanifold: one sorted array is both the source and the queries
+    if not submanifold and out_coords is None and method == "sorted":
+        return _start_counted(in_sorted, ks, st, dil, ts, offsets, h, source_reach, query_reach, sides, B, C, masks,
+                              read)
     if not submanifold:
         if out_coords is None:  # strided layer, default outputs: sorted and unique already
             out_coords = output_coordinates(in_sorted, st, ts, backend="cuda")
@@ -637,6 +676,46 @@ def start_kernel_map_cuda(in_coords, kernel_size=3, stride=1, dilation=1, tensor
                       d_deltas, (K, h, P, Q, B, C, masks))
 
 
+def _start_counted(in_sorted, ks, st, dil, ts, offsets, h, source_reach, query_reach, sides, B, C, masks, read):
+    """A strided layer's Map step with its outputs counted on the device: one read.
+
+    The output keys are made as :func:`numba_sc.output_coordinates` makes them (pack
+    the snapped coordinates, sort, de-duplicate), with the kernel's reach checked in
+    the same pack, into the search's query keys; the count goes into the report.
+    Every size is the upper bound |P| (a stride never makes more outputs than
+    inputs), and the searches read the count on the device.
+    """
+    K, P = len(offsets), int(in_sorted.shape[0])
+    work = _Work(K, h, P, P, B, C, chunk_size(), True, masks)
+    start_output_keys(in_sorted, st, ts, work.flags_out, work.report_read, REPORT_NOUT, query_reach, work.keys_out)
+    out_all = device_xp().empty((P, in_sorted.shape[1]), dtype=np.int32)  # the first |Q| rows are the outputs
+    launch(unpack_kernel, P, work.keys_out, in_sorted.shape[1] - 3, out_all)
+    cv.launch_pack(in_sorted, *source_reach, work.keys_in, work.flags_in)
+    d_deltas = _device_deltas(ks, dil, ts, h)
+    table, found = _search_cuda(work.keys_in, work.keys_out, d_deltas, K, B, C, work, n_out=work.n_out)
+    counted = (out_all, table, in_sorted, offsets, ks, st, dil, ts, query_reach)
+    return PendingMap(None, read_later(work.report_read) if read else None, work, found, sides, False, "sorted",
+                      d_deltas, (K, h, P, P, B, C, masks), counted)
+
+
+def _counted_result(counted, work, rep):
+    """The map of :func:`_start_counted` once its report is read: the outputs, table,
+    chunk counts and masks viewed at their real size; and the error if the pack
+    flagged an output (slow path: the outputs made again on the host to name it)."""
+    out_all, table, in_sorted, offsets, ks, st, dil, ts, query_reach = counted
+    if rep[REPORT_OUT + cv.FLAG_RANGE]:
+        out = output_coordinates_reference(to_host(in_sorted), st, ts)  # raises if a snapped coordinate can't pack
+        cv.raise_range_error(out, *query_reach, "output coordinates")
+        raise AssertionError("the strided pack flagged an output the host check accepts")
+    Q, K = int(rep[REPORT_NOUT]), len(offsets)
+    out_sorted = out_all[:Q]
+    m = _finish(in_sorted, out_sorted, None, offsets, table[:K * Q].reshape(K, Q), work.counts_array(), {},
+                ks, st, dil, ts, None)
+    m.chunk, (m.chunk_counts, m.out_masks) = work.chunk, work.counted_views(Q)
+    m.in_masks = work.in_masks
+    return m, out_sorted
+
+
 class PendingMap:
     """A kernel map whose work is queued and whose report is on its way to the host
     (:func:`start_kernel_map_cuda`). ``.map`` has its device arrays (coordinates,
@@ -644,15 +723,15 @@ class PendingMap:
     errors it records (or sorts and searches again), and fills the host counts and
     the stats."""
 
-    def __init__(self, m, finish_read, work, found, sides, submanifold, method, d_deltas, sizes):
+    def __init__(self, m, finish_read, work, found, sides, submanifold, method, d_deltas, sizes, counted=None):
         self.map, self._read, self._work, self._found = m, finish_read, work, found
         self._sides, self._submanifold, self._method = sides, submanifold, method
-        self._d_deltas, self._sizes = d_deltas, sizes
+        self._d_deltas, self._sizes, self._counted = d_deltas, sizes, counted
 
     @property
     def report(self):
         """The report on the device (int64: flags, balanced rows, pairs per offset)."""
-        return self._work.report[:REPORT_ROWS + 1 + self._sizes[0]]
+        return self._work.report[:REPORT_COUNTS + self._sizes[0]]
 
     def result(self, report=None) -> KernelMap:
         """The finished map; ``report``: this map's report, read to the host by the
@@ -661,13 +740,17 @@ class PendingMap:
         K, h, P, Q, B, C, masks = self._sizes
         submanifold = self._submanifold
         rep = self._read() if report is None else np.asarray(report)
+        if self._counted is not None:  # a strided layer's outputs, counted on the device: now |Q| is known
+            m, out_sorted = _counted_result(self._counted, work, rep)
+            Q = out_sorted.shape[0]
+            sides = sides + [(REPORT_OUT, out_sorted, self._counted[-1], "output coordinates", True)]
         _check_report(rep, sides)  # out of range; or unsorted, where the caller vouched for the order
         unsorted_in = bool(rep[REPORT_IN + cv.FLAG_UNSORTED])
         unsorted_out = not submanifold and bool(rep[REPORT_OUT + cv.FLAG_UNSORTED])
         if unsorted_in or unsorted_out:  # stage 3 after all: sort, then search again
             in_sorted, out_sorted, in_order, out_order = m.in_coords, m.out_coords, None, None
             old, work = work, _Work(K, h, P, Q, B, C, chunk_size(), not submanifold, masks)
-            skeys, qkeys = as_array(old.keys_in), as_array(old.keys_out)
+            skeys, qkeys = as_array(old.keys_in), as_array(old.keys_out)[:Q]  # counted: |P| long, |Q| used
             if unsorted_in:
                 skeys, in_order, in_sorted = sort_rows_cuda(skeys, in_sorted, work.repeats(REPORT_IN))
             if submanifold:
@@ -679,7 +762,7 @@ class PendingMap:
                              m.dilation, m.tensor_stride, out_order)
             rep = to_host(work.report_read)
             _check_report(rep, [(slot, c, r, n, False) for slot, c, r, n, _ in sides])  # repeated rows
-        m.counts_host = rep[REPORT_ROWS + 1:].copy()
+        m.counts_host = rep[REPORT_COUNTS:].copy()
         pairs = sum(m.counts_host.tolist())  # K numbers: a list beats a NumPy reduction
         nb = num_source_blocks(P, B)
         m.stats = {

@@ -55,7 +55,7 @@ from numba import cuda, int32, int64
 from ..core.device import simulating
 from ..core.launch import launch
 from ..core.conventions import MASK_BITS
-from .forward_search import mirror_reference, no_masks
+from .forward_search import mirror_reference, placeholder
 
 # Threads per block of the probe kernel. A block probes consecutive queries of one
 # offset, so that its pairs fall into one chunk of the metadata stage's outputs (the
@@ -136,7 +136,7 @@ def probe_cuda(lookup, a, b, qkeys, deltas, table, counts, chunk, chunk_counts, 
         raise ValueError(f"chunk must be a power of two and a multiple of {threads}, got {chunk}")
     with_masks = out_masks is not None
     if not with_masks:
-        out_masks = in_masks = no_masks()  # the forward search's placeholder
+        out_masks = in_masks = placeholder()  # the forward search's placeholder
     h, Q = int(deltas.shape[0]), int(qkeys.shape[0])
     per_row = max(1, -(-Q // threads))
     launch(probe_kernel(lookup, with_masks, threads), per_row * h, a, b, qkeys, deltas, per_row, table,

@@ -174,7 +174,7 @@ def sort_unique_cuda(keys) -> SortedUnique:
     return SortedUnique(ukeys, order.astype(np.int64), starts, inverse)
 
 
-def sort_unique_keys_cuda(keys, report, slot):
+def sort_unique_keys_cuda(keys, report, slot, out=None):
     """The unique keys alone, ascending, for a caller that needs neither the order nor
     the inverse (the output coordinates of a strided layer): the library sort of the
     keys themselves, :func:`mark_heads_kernel`, a library scan, :func:`compact_keys_kernel`.
@@ -182,7 +182,8 @@ def sort_unique_keys_cuda(keys, report, slot):
     Returns an array of ``len(keys)`` whose first M entries are the unique keys;
     M is written into ``report[slot]`` on the device, for the caller to read with
     whatever else it reads (no device->host copy here). The NumPy twin is
-    ``sort_unique_reference(keys).keys``.
+    ``sort_unique_reference(keys).keys``. ``out``: where to write them (made here
+    when None; any int64 array of ``len(keys)``).
     """
     xp = device_xp()
     n = keys.shape[0]
@@ -190,6 +191,6 @@ def sort_unique_keys_cuda(keys, report, slot):
     head = xp.empty(n, dtype=np.int32)
     launch(mark_heads_kernel, n, skeys, head)
     run = xp.cumsum(head)
-    ukeys = xp.empty(n, dtype=np.int64)  # the first M entries are written
+    ukeys = xp.empty(n, dtype=np.int64) if out is None else out  # the first M entries are written
     launch(compact_keys_kernel, n, skeys, head, run, ukeys, report, slot)
     return ukeys

@@ -3,7 +3,7 @@
 A layer of :mod:`numba_sc.nn` builds its map when it first meets a set of
 coordinates, in the middle of the forward pass, and every build ends by reading a
 small report from the device (the pairs per offset, the error flags; a strided
-layer reads its output count before that). A read makes the host wait until the GPU
+layer's output count rides in it). A read makes the host wait until the GPU
 has run *everything* queued before it, the previous layers' products included, and
 then the GPU waits while the host queues the next kernels. On a large scan the
 kernels are long and these stalls are noise; on a scan of 20k voxels a layer's
