@@ -3,7 +3,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 from conftest import DATA_DIR, ROOT, load_scan
 

@@ -17,9 +17,10 @@ column is carried unchanged, so clouds of a batch never merge.
 GPU pipeline: ``downsample_pack_kernel`` (one thread per input coordinate), then
 the library sort of the keys and the unique passes of :mod:`numba_sc.map.sorting`
 (:func:`~numba_sc.map.sorting.sort_unique_keys_cuda`: no order, no inverse: only the
-keys are needed), then the unpack kernel of voxelization. Bytes for N inputs:
-12-16N read, 8N written, then the sort/unique traffic (~40N). One device->host
-read, of the unique count (with the range flag): the host sizes the output by it.
+keys are needed; each unique key is unpacked where it is written). Bytes for N
+inputs: 12-16N read, 8N written, then the sort/unique traffic (~40N). One
+device->host read, of the unique count (with the range flag): the outputs are the
+first rows of an array of N, and the host cuts them by it.
 That is v2 of a two-rung ladder (``python -m numba_sc ladder output_coords``); v1,
 :func:`output_coords_v1`, de-duplicates as voxelization does, with two reads.
 """
@@ -151,13 +152,13 @@ def output_coords_v2(coords, stride, tensor_stride=1):
 
 
 class PendingCoords:
-    """Output coordinates whose keys are sorted and de-duplicated on the device, the
-    count not yet read (:func:`start_output_coords`)."""
+    """Output coordinates sorted and de-duplicated on the device, the count not yet
+    read (:func:`start_output_coords`): ``outputs``' first rows."""
 
-    __slots__ = ("coords", "batch", "keys", "report", "stride", "tensor_stride")
+    __slots__ = ("coords", "outputs", "report", "stride", "tensor_stride")
 
-    def __init__(self, coords, batch, keys, report, stride, tensor_stride):
-        self.coords, self.batch, self.keys, self.report = coords, batch, keys, report
+    def __init__(self, coords, outputs, report, stride, tensor_stride):
+        self.coords, self.outputs, self.report = coords, outputs, report
         self.stride, self.tensor_stride = stride, tensor_stride
 
 
@@ -166,8 +167,8 @@ def start_output_coords(coords, stride, tensor_stride=1, report=None) -> Pending
     zeroed int64 (2,) view to count into, so that a caller making the coordinates of
     several layers reads all their counts at once (:mod:`numba_sc.nn.maps_up_front`)."""
     c, s, keys, report = _pack(coords, stride, tensor_stride, report)
-    ukeys = sort_unique_keys_cuda(keys, report, 1)
-    return PendingCoords(c, s, ukeys, report, stride, tensor_stride)
+    _, outputs = sort_unique_keys_cuda(keys, report, 1, s)
+    return PendingCoords(c, outputs, report, stride, tensor_stride)
 
 
 def start_output_keys(coords, stride, tensor_stride, flags, count, slot, reach, out):
@@ -175,9 +176,10 @@ def start_output_keys(coords, stride, tensor_stride, flags, count, slot, reach, 
     (:mod:`numba_sc.map.kernel_map`, a strided layer): pack with the kernel's
     ``reach`` checked (``flags[0]``), sort, de-duplicate into ``out`` (as long as
     ``coords``; the first M entries are the keys), M into ``count[slot]``. Nothing
-    is read here."""
-    _, _, keys, _ = _pack(coords, stride, tensor_stride, flags, tuple(tuple(int(v) for v in r) for r in reach))
-    return sort_unique_keys_cuda(keys, count, slot, out)
+    is read here. Returns the (len(coords), 3|4) coordinates whose first M rows are
+    the outputs."""
+    c, s, keys, _ = _pack(coords, stride, tensor_stride, flags, tuple(tuple(int(v) for v in r) for r in reach))
+    return sort_unique_keys_cuda(keys, count, slot, s, out)[1]
 
 
 def finish_output_coords(pending: PendingCoords, report) -> cv.Array:
@@ -187,9 +189,7 @@ def finish_output_coords(pending: PendingCoords, report) -> cv.Array:
     if flagged:
         _prepare(to_host(pending.coords), pending.stride, pending.tensor_stride)  # raises the precise error
         raise AssertionError("downsample_pack_kernel flagged a coordinate the host check accepts")
-    out = device_xp().empty((m, 3 + pending.batch), dtype=np.int32)
-    launch(unpack_kernel, m, pending.keys, pending.batch, out)
-    return out
+    return pending.outputs[:m]
 
 
 output_coordinates_cuda = output_coords_v2  # the library's device path: the last rung

@@ -86,8 +86,6 @@ from . import hash_map
 from .forward_search import forward_search_cuda, forward_search_reference, mirror_reference
 from .map_probe import probe_cuda, probe_reference
 from ..coords.output_coords import output_coordinates, output_coordinates_reference, start_output_keys
-from ..coords.voxelization import unpack_kernel
-from ..core.launch import launch
 from .sorting import sort_rows_cuda, sort_rows_reference
 
 
@@ -687,9 +685,8 @@ def _start_counted(in_sorted, ks, st, dil, ts, offsets, h, source_reach, query_r
     """
     K, P = len(offsets), int(in_sorted.shape[0])
     work = _Work(K, h, P, P, B, C, chunk_size(), True, masks)
-    start_output_keys(in_sorted, st, ts, work.flags_out, work.report_read, REPORT_NOUT, query_reach, work.keys_out)
-    out_all = device_xp().empty((P, in_sorted.shape[1]), dtype=np.int32)  # the first |Q| rows are the outputs
-    launch(unpack_kernel, P, work.keys_out, in_sorted.shape[1] - 3, out_all)
+    out_all = start_output_keys(in_sorted, st, ts, work.flags_out, work.report_read, REPORT_NOUT, query_reach,
+                                work.keys_out)  # the first |Q| rows are the outputs
     cv.launch_pack(in_sorted, *source_reach, work.keys_in, work.flags_in)
     d_deltas = _device_deltas(ks, dil, ts, h)
     table, found = _search_cuda(work.keys_in, work.keys_out, d_deltas, K, B, C, work, n_out=work.n_out)

@@ -20,6 +20,13 @@ Bytes moved on the GPU, N keys: sort ~ a few passes of 8N; mark_heads reads 16N
 and writes 4N; compact reads ~28N and writes ~24N. All linear, all coalesced
 except the scattered ``inverse`` write.
 
+A strided layer needs the unique keys alone (:func:`sort_unique_keys_cuda`). On a
+small cloud (the 20k voxels of an indoor crop) each pass above is a launch
+whose host cost outweighs its GPU time, so up to :data:`ONE_BLOCK_MAX` keys one
+thread block does mark, scan and compact in one kernel
+(:func:`unique_one_block`): each thread counts the heads of its share of the
+keys, a shared-memory scan places the shares, and each thread writes its heads.
+
 The Map step (stages 4-6) needs less: the source keys and the query keys sorted,
 the coordinate rows in the same order, and a check that the caller gave no
 coordinate twice (:func:`sort_rows_reference` / :func:`sort_rows_cuda`), because a
@@ -33,11 +40,14 @@ and so their key deltas are sorted too (paper Section 5.1.1, first reason).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
-from numba import cuda
+from numba import cuda, int64
 
-from ..core.device import device_xp
+from ..core import conventions as cv
+from ..core.conventions import SIMULATOR_THREADS
+from ..core.device import device_xp, simulating
 from ..core.launch import launch
 
 
@@ -123,18 +133,82 @@ def permute_kernel(keys, order, coords, skeys, scoords, dups):
             cuda.atomic.add(dups, 0, 1)
 
 
+@cuda.jit(device=True, inline=True)
+def put_unique(key, r, ukeys, s, coords):
+    """Unique key number ``r``: into ``ukeys[r]``, and unpacked into row ``r`` of the
+    (M, 3|4) ``coords`` (the caller's coordinates need no separate unpack pass)."""
+    ukeys[r] = key
+    if s == 1:
+        coords[r, 0] = key >> cv.SHIFT_B
+    coords[r, s] = cv.unpack_field_device(key, cv.SHIFT_X)
+    coords[r, s + 1] = cv.unpack_field_device(key, cv.SHIFT_Y)
+    coords[r, s + 2] = cv.unpack_field_device(key, cv.SHIFT_Z)
+
+
 @cuda.jit
-def compact_keys_kernel(skeys, head, run, ukeys, report, slot):
+def compact_keys_kernel(skeys, head, run, ukeys, report, slot, s, coords):
     """One thread per sorted position: a run's first key goes to ``ukeys[run - 1]``
-    (``run`` is the inclusive scan of ``head``); the last thread writes the number
-    of unique keys into ``report[slot]``."""
+    and row ``run - 1`` of ``coords`` (``run`` is the inclusive scan of ``head``); the
+    last thread writes the number of unique keys into ``report[slot]``."""
     i = cuda.grid(1)
     n = skeys.shape[0]
     if i < n:
         if head[i]:
-            ukeys[run[i] - 1] = skeys[i]
+            put_unique(skeys[i], run[i] - 1, ukeys, s, coords)
         if i == n - 1:
             report[slot] = run[i]
+
+
+ONE_BLOCK_MAX = 1 << 16  # keys up to which one thread block de-duplicates them
+
+
+@lru_cache(maxsize=None)
+def unique_one_block(threads):
+    """The kernel that de-duplicates up to :data:`ONE_BLOCK_MAX` sorted keys in one
+    thread block of ``threads`` threads (a compile-time constant: it sizes the
+    shared array). Launch one block of exactly that many threads."""
+
+    @cuda.jit
+    def unique_one_block_kernel(skeys, ukeys, report, slot, s, coords):
+        """Mark, scan and compact in one launch, for a small cloud.
+
+        Thread t takes a contiguous share of the sorted keys and counts the heads
+        in it (keys that differ from their left neighbour); a scan of those counts
+        across the block, in shared memory, gives each thread where its first
+        unique key goes; then each thread walks its share again and writes its
+        heads in order. On 20k keys each thread reads about 20 keys twice: a few
+        microseconds of GPU time, where the three-pass path
+        (:func:`mark_heads_kernel`, the library scan, :func:`compact_keys_kernel`)
+        costs the host four or more launches.
+        """
+        t = cuda.threadIdx.x
+        n = skeys.shape[0]
+        share = (n + threads - 1) // threads
+        lo = min(t * share, n)
+        hi = min(lo + share, n)
+        mine = 0
+        for i in range(lo, hi):
+            if i == 0 or skeys[i] != skeys[i - 1]:
+                mine += 1
+        total = cuda.shared.array(threads, int64)
+        total[t] = mine
+        cuda.syncthreads()
+        step = 1
+        while step < threads:  # inclusive scan of the counts (Hillis-Steele: log2(threads) steps)
+            left = total[t - step] if t >= step else 0
+            cuda.syncthreads()  # every read of this step before any write
+            total[t] += left
+            cuda.syncthreads()
+            step *= 2
+        r = total[t] - mine  # heads before this thread's share
+        for i in range(lo, hi):
+            if i == 0 or skeys[i] != skeys[i - 1]:
+                put_unique(skeys[i], r, ukeys, s, coords)
+                r += 1
+        if t == threads - 1:
+            report[slot] = total[t]
+
+    return unique_one_block_kernel
 
 
 def sort_rows_reference(keys, coords):
@@ -174,23 +248,33 @@ def sort_unique_cuda(keys) -> SortedUnique:
     return SortedUnique(ukeys, order.astype(np.int64), starts, inverse)
 
 
-def sort_unique_keys_cuda(keys, report, slot, out=None):
-    """The unique keys alone, ascending, for a caller that needs neither the order nor
-    the inverse (the output coordinates of a strided layer): the library sort of the
-    keys themselves, :func:`mark_heads_kernel`, a library scan, :func:`compact_keys_kernel`.
+def sort_unique_keys_cuda(keys, report, slot, s, out=None):
+    """The unique keys alone, ascending, and their coordinates, for a caller that needs
+    neither the order nor the inverse (the output coordinates of a strided layer):
+    the library sort of the keys themselves (in place: ``keys`` is the caller's
+    scratch), then mark, scan and compact: :func:`unique_one_block` for up to
+    :data:`ONE_BLOCK_MAX` keys, else :func:`mark_heads_kernel`, a library scan and
+    :func:`compact_keys_kernel`.
 
-    Returns an array of ``len(keys)`` whose first M entries are the unique keys;
-    M is written into ``report[slot]`` on the device, for the caller to read with
-    whatever else it reads (no device->host copy here). The NumPy twin is
-    ``sort_unique_reference(keys).keys``. ``out``: where to write them (made here
-    when None; any int64 array of ``len(keys)``).
+    Returns ``(ukeys, coords)``: an int64 array of ``len(keys)`` whose first M
+    entries are the unique keys, and an int32 (``len(keys)``, 3 + s) array whose first
+    M rows are their coordinates (s = 1: with the batch column). M is written into
+    ``report[slot]`` on the device, for the caller to read with whatever else it
+    reads (no device->host copy here). The NumPy twin is
+    ``sort_unique_reference(keys).keys``. ``out``: where to write the keys (made
+    here when None; any int64 array of ``len(keys)``).
     """
     xp = device_xp()
     n = keys.shape[0]
-    skeys = xp.sort(keys)
-    head = xp.empty(n, dtype=np.int32)
-    launch(mark_heads_kernel, n, skeys, head)
-    run = xp.cumsum(head)
+    keys.sort()
     ukeys = xp.empty(n, dtype=np.int64) if out is None else out  # the first M entries are written
-    launch(compact_keys_kernel, n, skeys, head, run, ukeys, report, slot)
-    return ukeys
+    coords = xp.empty((n, 3 + s), dtype=np.int32)
+    if n <= ONE_BLOCK_MAX:
+        threads = SIMULATOR_THREADS if simulating() else 1024
+        launch(unique_one_block(threads), threads, keys, ukeys, report, slot, s, coords, threads=threads, blocks=1)
+    else:
+        head = xp.empty(n, dtype=np.int32)
+        launch(mark_heads_kernel, n, keys, head)
+        run = xp.cumsum(head)
+        launch(compact_keys_kernel, n, keys, head, run, ukeys, report, slot, s, coords)
+    return ukeys, coords

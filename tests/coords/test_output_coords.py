@@ -67,16 +67,26 @@ def test_bad_inputs():
         ns.output_coordinates(edge, 3)  # floor(-131072 / 3) * 3 = -131073 leaves the range
 
 
-def test_sort_unique_keys_kernel(rng):
-    """The keys-only unique of strided layers: the first M entries are np.unique's, M is
-    written into the report slot asked for, and no other slot."""
+@pytest.mark.parametrize("one_block", [True, False])
+def test_sort_unique_keys_kernel(rng, monkeypatch, one_block):
+    """The keys-only unique of strided layers, both ways (one thread block; mark, library
+    scan, compact): the first M keys are np.unique's and the first M coordinate rows
+    their unpacked rows, M is written into the report slot asked for, and no other."""
+    from numba_sc.core import conventions as cv
     from numba_sc.core.backend import to_host
-    from numba_sc.map.sorting import sort_unique_keys_cuda
+    from numba_sc.map import sorting
 
-    for n, span in [(1, 5), (300, 40), (700, 9000)]:
-        keys = rng.integers(-span, span, size=n).astype(np.int64)
+    if not one_block:
+        monkeypatch.setattr(sorting, "ONE_BLOCK_MAX", 0)
+    for n, span, batch in [(1, 5, 0), (300, 4, 3), (700, 300, 0), (2000, 6, 2)]:
+        rows = rng.integers(-span, span, size=(n, 3))
+        if batch:
+            rows = np.column_stack([rng.integers(0, batch, n), rows])
+        rows = rows.astype(np.int32)
+        keys = cv.pack_keys(rows)
         report = np.full(3, -5, np.int64)
-        got = to_host(sort_unique_keys_cuda(keys, report, 2))
+        got, coords = sorting.sort_unique_keys_cuda(keys.copy(), report, 2, 1 if batch else 0)
         want = np.unique(keys)
         assert report[2] == len(want) and report[0] == report[1] == -5
-        np.testing.assert_array_equal(got[:len(want)], want)
+        np.testing.assert_array_equal(to_host(got)[:len(want)], want)
+        np.testing.assert_array_equal(to_host(coords)[:len(want)], np.unique(rows, axis=0))
