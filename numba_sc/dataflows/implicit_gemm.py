@@ -147,7 +147,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -324,6 +324,18 @@ def _split_select(K: int, bounds) -> np.ndarray:
     return sel
 
 
+def _device_select(K, bounds, s):
+    """Split ``s``'s offset bits on the current device, copied there once per layer
+    shape (a copy to the device costs the host as much as a launch)."""
+    device = 0 if simulating() else device_xp().cuda.runtime.getDevice()
+    return _device_select_on(K, bounds, s, device)
+
+
+@lru_cache(maxsize=64)
+def _device_select_on(K, bounds, s, device):
+    return to_device(_split_select(K, bounds)[s])
+
+
 def _split_words(k0: int, k1: int) -> range:
     """The mask words that hold offsets k0..k1-1, least significant first."""
     return range(k0 // MASK_BITS, (k1 - 1) // MASK_BITS + 1)
@@ -423,14 +435,13 @@ def implicit_plan(table, splits=1, skip=-1, tile_m=None) -> ImplicitPlan:
     n_out = int(table.shape[1])
     W = mask_words(K)
     bounds = split_bounds(K, splits)
-    select = _split_select(K, bounds)
     n_tiles = -(-n_out // tile_m)
     masks = xp.empty((W, n_out), dtype=np.int64)
     order = xp.empty((splits, n_out), dtype=np.int32)
-    tiles = xp.zeros((splits, W, n_tiles), dtype=np.int64)
+    tiles = xp.empty((splits, W, n_tiles), dtype=np.int64)  # tile_masks_kernel writes every entry
     launch(output_masks_kernel, n_out, table, skip, masks)
     for s, (k0, k1) in enumerate(bounds):
-        d_select = to_device(select[s])
+        d_select = _device_select(K, tuple(bounds), s)
         perm = None
         for w in _split_words(k0, k1):  # an LSD sort on words: each pass stable
             key = masks[w] & d_select[w]

@@ -137,8 +137,17 @@ def before_forward(model, x, backend) -> None:
         return
     plan = model.__dict__.get("_map_plans", {}).get(plan_key(x))
     maps = x.maps
-    if plan is not None and len(plan) and not (maps.subm or maps.down):
+    if plan is not None and saves_reads(plan) and not (maps.subm or maps.down):
         build_maps(plan, x)
+
+
+def saves_reads(plan: MapPlan) -> bool:
+    """Whether building ``plan`` up front reads the device fewer times than its layers
+    would: up front, two reads in all (one when every map is on the input's own
+    coordinates); built by the layers, one read a map (a strided layer counts its
+    outputs on the device, :mod:`numba_sc.map.kernel_map`). So a lone layer, or a
+    submanifold and a strided layer, gain nothing by it."""
+    return len(plan) > (2 if plan.down else 1)
 
 
 def after_forward(model, x, backend) -> None:

@@ -80,3 +80,19 @@ def test_plan_records_the_tree_of_coordinate_sets(rng):
     z = x.without_maps()
     other(z, backend="cuda")
     assert "_map_plans" not in other.__dict__ and z.maps.subm
+
+
+def test_up_front_only_where_it_saves_reads(rng, monkeypatch):
+    """A lone layer, or a submanifold and a strided layer, read the device once a map:
+    up front they would read as often (or more), so they build their own maps."""
+    one = mu.MapPlan((((3, 3, 3), (1, 1, 1)),), ())
+    two_subm = mu.MapPlan((((3, 3, 3), (1, 1, 1)), ((3, 3, 3), (2, 2, 2))), ())
+    subm_and_strided = mu.MapPlan((((3, 3, 3), (1, 1, 1)),), ((((2, 2, 2), (2, 2, 2), (1, 1, 1)), mu.MapPlan((), ())),))
+    assert [mu.saves_reads(p) for p in (one, two_subm, subm_and_strided)] == [False, True, False]
+    layer = ns.nn.SparseConv3d(4, 8, 3, rng=rng)
+    x = scan_crop(40)
+    layer(x.without_maps(), backend="cuda")
+    built = []
+    monkeypatch.setattr(mu, "build_maps", lambda plan, x: built.append(plan))
+    y = layer(x.without_maps(), backend="cuda")
+    assert built == [] and y.features.shape == (len(x.coords), 8)
