@@ -698,9 +698,10 @@ def _start_counted(in_sorted, ks, st, dil, ts, offsets, h, source_reach, query_r
 def _counted_result(counted, work, rep):
     """The map of :func:`_start_counted` once its report is read: the outputs, table,
     chunk counts and masks viewed at their real size; and the error if the pack
-    flagged an output (slow path: the outputs made again on the host to name it)."""
+    flagged an output (slow path: the outputs made again on the host to name it). An
+    input out of range is left to :func:`_check_report`, which names the input."""
     out_all, table, in_sorted, offsets, ks, st, dil, ts, query_reach = counted
-    if rep[REPORT_OUT + cv.FLAG_RANGE]:
+    if rep[REPORT_OUT + cv.FLAG_RANGE] and not rep[REPORT_IN + cv.FLAG_RANGE]:
         out = output_coordinates_reference(to_host(in_sorted), st, ts)  # raises if a snapped coordinate can't pack
         cv.raise_range_error(out, *query_reach, "output coordinates")
         raise AssertionError("the strided pack flagged an output the host check accepts")

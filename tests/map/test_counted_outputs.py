@@ -75,11 +75,16 @@ def test_unsorted_input_is_sorted_and_searched_again(rng, reads):
 
 def test_output_range_errors_name_the_outputs():
     """A snapped output that leaves the packable range, or would with the kernel's
-    reach, is an error naming the output coordinates, as on the reference path."""
+    reach, is an error naming the output coordinates, as on the reference path; an
+    input out of range is named as the input."""
     near_top = np.array([[cv.COORD_MAX - 1, 0, 0], [0, 0, 0]], np.int32)
     for backend in ("reference", "cuda"):
         with pytest.raises(ValueError, match="output coordinates.*reach -3..3"):
             ns.build_kernel_map(near_top, 3, stride=2, dilation=3, backend=backend)
+    too_far = np.array([[cv.COORD_MAX + 5, 0, 0], [0, 0, 0]], np.int32)  # the input itself: named as such
+    for backend in ("reference", "cuda"):
+        with pytest.raises(ValueError, match="^in_coords: .*packable range"):
+            ns.build_kernel_map(too_far, 2, stride=2, backend=backend)
     bottom = np.array([[cv.COORD_MIN, 0, 0], [0, 0, 0]], np.int32)  # floor(-131072 / 3) * 3 < COORD_MIN
     for backend in ("reference", "cuda"):
         with pytest.raises(ValueError, match="output coordinates: axis x spans -131073"):
