@@ -12,7 +12,7 @@ call (GPU time); every contender of a workload gets, in each of ``--rounds`` rou
 untimed call and a block of timed ones, in an order shuffled afresh every round; medians
 over all timed calls.
 
-Clouds: the three real scans, 1M random voxels in a 400^3 box, and ``dense``: those voxels
+Clouds: the three real scans (and their crops of ``common.CROPS``), 1M random voxels in a 400^3 box, and ``dense``: those voxels
 at stride 4 (~635k voxels, ~17 pairs per voxel). Workloads per cloud:
 
 * **map**: ``build_kernel_map(coords, 3, assume_sorted=True, method=m)`` for
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import HOST_THEN_GPU, find_data, interleaved, random_coords, recorded, scan_coords
+from common import CROPS, HOST_THEN_GPU, find_data, interleaved, random_coords, recorded, scan_coords
 
 ROWS = "4-16,32-32,64-64,128-128,256-256"
 
@@ -140,7 +140,7 @@ def main():
 
     import numba_sc as ns
 
-    makers = {n: (lambda n=n: scan_coords(find_data(args.data), n)) for n in ("kitti", "scannet", "sunrgbd")}
+    makers = {n: (lambda n=n: scan_coords(find_data(args.data), n)) for n in ("kitti", "scannet", "sunrgbd", *CROPS)}
     makers["random1M"] = random_coords
     # The dense level of a network on 1M random voxels: after two stride-2 layers that
     # cloud has ~635k voxels and ~17 pairs per voxel in a 3x3x3 layer (README, session 8),
