@@ -89,7 +89,6 @@ SMALL_CHANNELS = 16  # at most this many channels in and out: the implicit GEMM'
 MID_CHANNELS = 64  # ... and, in fp32 on a dense cloud, up to this many
 DENSE_PAIRS = 8.0  # pairs per output (outside the centre) from which a cloud counts as dense
 SMALL_CLOUD = 1 << 17  # outputs up to which a layer is host-bound (one launch beats several)
-SCAN_CROP = 1 << 15  # outputs up to which an fp16 layer on tensor cores is host-bound up to MID_CHANNELS
 LARGE_CLOUD = 1 << 18  # outputs from which the GPU's work decides, not the host's
 
 
@@ -106,10 +105,6 @@ def rule_dataflow(c_in, c_out, dtype, n_out, map_given=False, pairs_per_output=0
       the layer is given its map (its plan is then kept on the map) on a small
       cloud (at most :data:`SMALL_CLOUD` outputs: one launch instead of several),
       or on a large dense cloud;
-    * ``"implicit"`` up to :data:`MID_CHANNELS` channels in fp16 on tensor cores (v4)
-      when the layer is given its map on a cloud of at most :data:`SCAN_CROP`
-      outputs (a crop of a scan): there the layer's time is the host's, and v4 is
-      one launch where gmas makes five or more (``benchmarks/results/alternatives_crops_fp16.json``);
     * ``"implicit"`` up to :data:`MID_CHANNELS` channels on a large dense cloud,
       where gmas moves ~16 pairs a voxel through its buffers: in fp32 (v3), and in
       fp16 where the implicit GEMM runs its tensor-core rung (v4; without it gmas's
@@ -130,11 +125,8 @@ def rule_dataflow(c_in, c_out, dtype, n_out, map_given=False, pairs_per_output=0
     dense_and_large = pairs_per_output >= DENSE_PAIRS and (n_out or 0) >= LARGE_CLOUD
     if small and ((map_given and (n_out or 0) <= SMALL_CLOUD) or dense_and_large):
         return "implicit"
-    mid = c_in <= MID_CHANNELS and c_out <= MID_CHANNELS
-    v4 = np.dtype(dtype) == np.float16 and library_rung(dtype, c_in, c_out) == "v4"
-    if mid and v4 and map_given and (n_out or 0) <= SCAN_CROP:
-        return "implicit"
-    if dense_and_large and mid and (np.dtype(dtype) == np.float32 or v4):
+    if dense_and_large and c_in <= MID_CHANNELS and c_out <= MID_CHANNELS and (
+            np.dtype(dtype) == np.float32 or library_rung(dtype, c_in, c_out) == "v4"):
         return "implicit"
     return "gmas"
 
