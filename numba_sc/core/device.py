@@ -70,6 +70,12 @@ def device_xp():
     return cupy
 
 
+def device_id() -> int:
+    """The current device's number (0 under the simulator): the key of a cache of
+    constants copied to each device once (a layer's key deltas, mask bits)."""
+    return 0 if simulating() else device_xp().cuda.runtime.getDevice()
+
+
 def device_name() -> str:
     """What runs the kernels, in words, for the records benchmarks and ladders write."""
     if simulating():

@@ -153,7 +153,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, float32, from_dtype, int32, int64
 
-from ..core.device import device_xp, simulating
+from ..core.device import device_id, device_xp, simulating
 from ..core.backend import to_device, to_host
 from ..core.launch import launch
 from ..core.rungs import Ladder, Rung
@@ -327,8 +327,7 @@ def _split_select(K: int, bounds) -> np.ndarray:
 def _device_select(K, bounds, s):
     """Split ``s``'s offset bits on the current device, copied there once per layer
     shape (a copy to the device costs the host as much as a launch)."""
-    device = 0 if simulating() else device_xp().cuda.runtime.getDevice()
-    return _device_select_on(K, bounds, s, device)
+    return _device_select_on(K, bounds, s, device_id())
 
 
 @lru_cache(maxsize=64)

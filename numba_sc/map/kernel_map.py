@@ -75,7 +75,7 @@ import numpy as np
 
 from ..core import conventions as cv
 from ..core.conventions import chunk_size, mask_words
-from ..core.device import array_module, device_xp, is_cupy, simulating
+from ..core.device import array_module, device_id, is_cupy, simulating
 from ..core.backend import filled, like, read_later, resolve_backend, to_device, to_host
 from ..core.pieces import as_array, piece, piece_template
 from .backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backward_search_cuda, backward_search_reference, check_block_sizes,
@@ -255,8 +255,7 @@ def _sorted_offsets(ks, dil, ts):
 def _device_deltas(ks, dil, ts, h=None):
     """The first ``h`` (default: all) key deltas on the current device, copied there
     once per layer configuration."""
-    device = 0 if simulating() else device_xp().cuda.runtime.getDevice()
-    return _device_deltas_on(ks, dil, ts, device, h)
+    return _device_deltas_on(ks, dil, ts, device_id(), h)
 
 
 @lru_cache(maxsize=64)
