@@ -11,7 +11,7 @@ docstring that teaches it, the NumPy reference and the CUDA kernels (Numba):
     dataflows/   fetch-on-demand, implicit GEMM, and the per-layer choice between dataflows
     nn/          layers with weights, the pointwise kernels, the two models, spconv's weight format
     train/       the convolution's gradient, the tape, loss, optimizers, labels, the loop
-    tools/       ladder, check, trace, demo, synthetic scenes
+    tools/       ladder, check, trace, demo, synthetic scenes, the float64 oracle of gradients
 
 The names below are the public API; every module is importable by its path
 (``numba_sc.map.kernel_map``, ``numba_sc.gmas.gather``, ...).
@@ -32,6 +32,7 @@ from .map.kernel_map import KernelMap, build_kernel_map, choose_map_method
 from .gmas.metadata import GmasPlan, build_plan, grouping_report
 from .coords.output_coords import output_coordinates
 from .tools.trace import Trace, trace
+from .tools.oracle import gradients as check_gradients
 from .train.checkpoint import load, save
 from .coords.voxelization import Voxelization, voxelize
 
@@ -42,4 +43,5 @@ __all__ = [
     "kernel_offsets", "key_delta", "output_coordinates", "pack_keys", "padding_report",
     "resolve_backend", "simulating", "sparse_conv3d", "Trace", "trace", "unpack_keys", "voxelize",
     "models", "nn", "spconv_format", "choose_dataflow", "choose_map_method", "save", "load",
+    "check_gradients",
 ]

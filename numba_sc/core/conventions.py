@@ -113,7 +113,27 @@ IntOr3 = Union[int, Tuple[int, int, int]]
 
 
 # ------------------------------------------------------------ argument checks
-FEATURE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))  # what features (and weights) may be
+FEATURE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))  # what features (and weights) may be on the GPU
+# The oracle's dtype: float64 runs on backend="reference" only (NumPy), computing in
+# float64 throughout, as the truth that the float32/float16 paths are measured against
+# (numba_sc.check_gradients). The kernels have no float64 path.
+ORACLE_DTYPE = np.dtype(np.float64)
+REFERENCE_DTYPES = FEATURE_DTYPES + (ORACLE_DTYPE,)
+
+
+def compute_dtype(dtype) -> np.dtype:
+    """The dtype a reference computes in for features of ``dtype``: float32 for float32 and
+    float16 (half precision is widened, as the kernels do), float64 for float64 (the
+    oracle: no float32 step anywhere on its path). The one place this rule is written."""
+    return ORACLE_DTYPE if np.dtype(dtype) == ORACLE_DTYPE else np.dtype(np.float32)
+
+
+def check_backend_dtype(dtype, backend: str, name: str = "features"):
+    """float64 runs on ``backend="reference"`` only: refuse it, up front, anywhere else."""
+    if np.dtype(dtype) == ORACLE_DTYPE and backend != "reference":
+        raise TypeError(f"{name} are float64, which runs only on backend='reference' (the float64 oracle, "
+                        f"see numba_sc.check_gradients), not on backend={backend!r}: pass "
+                        "backend='reference', or convert to float32 (model.float(), x.to(np.float32))")
 
 
 def is_array(a) -> bool:
@@ -121,15 +141,18 @@ def is_array(a) -> bool:
     return hasattr(a, "shape") and hasattr(a, "dtype")
 
 
-def check_features(features, name: str = "features"):
-    """``features`` (N, C) float32 or float16: the rows of a layer's input."""
+def check_features(features, name: str = "features", backend: str | None = None):
+    """``features`` (N, C) float32 or float16, or float64 (the oracle's, reference backend
+    only): the rows of a layer's input. ``backend``: the resolved backend, when known."""
     if not is_array(features):
         raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(features).__name__}")
     if features.ndim != 2:
         raise ValueError(f"{name} must have shape (N, C), one row per point, got {tuple(features.shape)}")
-    if np.dtype(features.dtype) not in FEATURE_DTYPES:
-        raise TypeError(f"{name} must be float32 or float16, got {features.dtype}; convert with "
-                        f"{name}.astype(np.float32)")
+    if np.dtype(features.dtype) not in REFERENCE_DTYPES:
+        raise TypeError(f"{name} must be float32 or float16 (or float64 on backend='reference'), got "
+                        f"{features.dtype}; convert with {name}.astype(np.float32)")
+    if backend is not None:
+        check_backend_dtype(features.dtype, backend, name)
 
 
 def check_weight(weight, K: int, c_in: int, dtype, why: str = "", where: str = ""):

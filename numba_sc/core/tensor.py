@@ -79,7 +79,8 @@ class SparseTensor:
         with the batch index in column 0. They need not be sorted; they must be
         unique.
     features : float32 or float16 array (N, C)
-        Row i belongs to ``coords[i]``.
+        Row i belongs to ``coords[i]``. float64 is the oracle's dtype: it runs on
+        ``backend="reference"`` only (:mod:`numba_sc.tools.oracle`).
     stride : int or 3 ints
         Tensor stride: the grid spacing of the coordinates, in finest voxels
         (1 for a voxelized cloud, 2 after one stride-2 layer, ...).
@@ -107,10 +108,7 @@ class SparseTensor:
             raise ValueError(
                 f"features has {features.shape[0]} rows but coords has {coords.shape[0]}: "
                 "there must be one feature row per coordinate")
-        if np.dtype(features.dtype) not in cv.FEATURE_DTYPES:
-            raise TypeError(
-                f"features must be float32 or float16, got {features.dtype}; convert with "
-                "features.astype(np.float32)")
+        cv.check_features(features)
         stride = cv.as_int_tuple(stride, "stride")
         coords = like(coords, features)  # one array kind: the features' (the big array)
         xp = array_module(coords)
@@ -178,7 +176,8 @@ class SparseTensor:
     def to(self, *args, dtype=None, device=None):
         """The same tensor on ``device`` (``"cuda"``: CuPy arrays on the GPU, or NumPy
         under the simulator; ``"cpu"``: NumPy) and/or with features of ``dtype``
-        (float32 or float16), given by name or by position as in PyTorch:
+        (float32 or float16; float64, the oracle's, stays on the CPU side: it runs on
+        ``backend="reference"`` only), given by name or by position as in PyTorch:
         ``x.to("cuda")``, ``x.to(np.float16)``. Returns ``self`` when nothing
         changes. A tensor that moves leaves its maps behind (they live on the
         other side): layers build them again on first use."""
@@ -189,9 +188,12 @@ class SparseTensor:
                 dtype = a
         if device not in (None, "cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-        if dtype is not None and np.dtype(dtype) not in cv.FEATURE_DTYPES:
-            raise TypeError(f"dtype must be float32 or float16, got {dtype!r}")
+        if dtype is not None and np.dtype(dtype) not in cv.REFERENCE_DTYPES:
+            raise TypeError(f"dtype must be float32 or float16 (or float64 for backend='reference'), "
+                            f"got {dtype!r}")
         coords, features = self.coords, self.features
+        if device == "cuda":
+            cv.check_backend_dtype(features.dtype if dtype is None else dtype, "cuda", "x's features")
         if device == "cuda":
             coords, features = to_device(coords), to_device(features)
         elif device == "cpu":

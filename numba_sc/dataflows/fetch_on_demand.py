@@ -340,7 +340,7 @@ def fetch_plan(table, counts_host, skip=-1, tile_p=None) -> FetchPlan:
 def fetch_on_demand_reference(features, weight, table, init=None, skip=-1):
     """NumPy: per offset, one matrix product of its pairs' rows, added into the
     outputs with ``np.add.at`` (which handles an output hit twice); sums in
-    float32, rounded once to the features' dtype. Returns (n_out, C_out)."""
+    float32 (float64 for float64), rounded once to the features' dtype. Returns (n_out, C_out)."""
     _check_table_layout(table, skip)
     table = np.asarray(to_host(table))
     features, weight = np.asarray(to_host(features)), np.asarray(to_host(weight))
@@ -348,14 +348,15 @@ def fetch_on_demand_reference(features, weight, table, init=None, skip=-1):
     cv.check_weight(weight, table.shape[0], features.shape[1], features.dtype, ": one (C_in, C_out) matrix per offset of the map")
     n_out, c_out = table.shape[1], weight.shape[2]
     cv.check_init(init, n_out, c_out)
-    acc = np.zeros((n_out, c_out), np.float32) if init is None else np.array(to_host(init), np.float32)
-    f32 = features.astype(np.float32)
+    ct = cv.compute_dtype(features.dtype)
+    acc = np.zeros((n_out, c_out), ct) if init is None else np.array(to_host(init), ct)
+    fc = features.astype(ct)
     for k in range(table.shape[0]):
         if k == skip:
             continue
         ii = np.flatnonzero(table[k] >= 0)
         if len(ii):
-            np.add.at(acc, ii, f32[table[k, ii]] @ weight[k].astype(np.float32))
+            np.add.at(acc, ii, fc[table[k, ii]] @ weight[k].astype(ct))
     return acc.astype(features.dtype)
 
 
@@ -577,7 +578,7 @@ def fetch_on_demand_rung(rung: str, features, weight, plan: FetchPlan, n_out: in
         raise ValueError(f"rung must be one of {LADDER.names}, got {rung!r}")
     if not isinstance(plan, FetchPlan):
         raise TypeError(f"plan must be a FetchPlan (from fetch_plan), got {type(plan).__name__}")
-    cv.check_features(features)
+    cv.check_features(features, backend="cuda")
     cv.check_weight(weight, plan.K, features.shape[1], features.dtype, ": one (C_in, C_out) matrix per offset of the map")
     if int(n_out) != plan.n_out:
         raise ValueError(f"n_out = {n_out} but the plan's table has {plan.n_out} outputs (columns)")

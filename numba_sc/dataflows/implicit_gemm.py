@@ -219,12 +219,13 @@ def implicit_tiles(tile_m: int, c_in: int, c_out: int) -> Tiles:
 
 
 # ------------------------------------------------------------------ checks
-def check_inputs(features, weight, table, init=None):
-    """Shapes and dtypes only (cheap: nothing is read from the device).
+def check_inputs(features, weight, table, init=None, backend="cuda"):
+    """Shapes and dtypes only (cheap: nothing is read from the device); float64 features
+    on ``backend="reference"`` only.
 
     Returns ``(K, n_out, C_in, C_out)``.
     """
-    cv.check_features(features)
+    cv.check_features(features, backend=backend)
     if not cv.is_array(table):
         raise TypeError(f"table must be a NumPy or CuPy array, got {type(table).__name__}")
     if table.dtype != np.int32:
@@ -260,19 +261,21 @@ def _check_rows(table, n_in):
 # ------------------------------------------------------------------ reference
 def implicit_gemm_reference(features, weight, table, init=None, skip=-1):
     """NumPy: ``out = init + sum over k != skip of features[table[k]] @ W[k]`` on the
-    rows with a pair, in float32 (fp16 inputs widened), rounded once to the dtype."""
-    K, n_out, _, c_out = check_inputs(features, weight, table, init)
+    rows with a pair, in float32 (fp16 inputs widened; float64 for float64), rounded once
+    to the dtype."""
+    K, n_out, _, c_out = check_inputs(features, weight, table, init, backend="reference")
     skip = _check_skip(skip, K)
     features, weight, table = to_host(features), to_host(weight), to_host(table)
     _check_rows(table, features.shape[0])
-    acc = np.zeros((n_out, c_out), dtype=np.float32)
+    ct = cv.compute_dtype(features.dtype)
+    acc = np.zeros((n_out, c_out), dtype=ct)
     if init is not None:
-        acc += to_host(init).astype(np.float32)
+        acc += to_host(init).astype(ct)
     for k in range(K):
         if k == skip:
             continue
         ii = np.flatnonzero(table[k] >= 0)
-        acc[ii] += features[table[k, ii]].astype(np.float32) @ weight[k].astype(np.float32)
+        acc[ii] += features[table[k, ii]].astype(ct) @ weight[k].astype(ct)
     return acc.astype(features.dtype)
 
 

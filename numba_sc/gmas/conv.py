@@ -377,6 +377,7 @@ def sparse_conv3d(x: SparseTensor, weight: Array, kernel_size: IntOr3 = 3, strid
         from it, so the next layer given it skips that too; so does a strided
         layer's own map, for the transposed layer that will invert it.
     backend : None | "cuda" | "reference"
+        float64 features and weight (the oracle's) run on ``"reference"`` only.
     tile_size : None | int | (int, int)
         Gather and scatter tile sizes (channels per thread). None: the autotuned
         choice for this ``layer`` (see :func:`numba_sc.autotune`), else a heuristic.
@@ -414,6 +415,8 @@ def convolve(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False, k
     itself (:mod:`numba_sc.nn` keeps every map it builds, for the layers after it)."""
     bk = resolve_backend(backend)
     check_layer_name(layer)
+    if isinstance(x, SparseTensor):  # (anything else is refused below, by name)
+        cv.check_backend_dtype(x.features.dtype, bk, "x's features")
     queued = []  # (centre, product) when queued during the Map step's read
 
     def queue_centre(m, f, w):

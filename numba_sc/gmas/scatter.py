@@ -61,6 +61,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, uint64
 
+from ..core import conventions as cv
 from ..core.device import device_xp
 from ..core.backend import resolve_backend, to_device, to_host
 from ..core.launch import launch
@@ -79,7 +80,7 @@ def scatter_reference(obuf, out_table, init=None, n_out=None, channels=None, dty
     obuf = np.asarray(obuf)
     n_out = out_table.shape[0] if n_out is None else n_out
     dtype = np.dtype(dtype or obuf.dtype)
-    acc_t = np.float64 if dtype == np.float64 else np.float32
+    acc_t = cv.compute_dtype(dtype)
     acc = np.zeros((n_out, obuf.shape[1] if channels is None else channels), dtype=acc_t)
     if init is not None:
         acc += np.asarray(init, dtype=acc_t)

@@ -43,6 +43,9 @@ weight has this library's layout ``(K, C_in, C_out)``, K in
 from and to spconv's ``(C_out, kx, ky, kz, C_in)``. ``model.to(np.float16)``
 makes the convolution and linear weights half precision (BatchNorm keeps its
 statistics in float32, which half-precision features are normalized in).
+``model.to(np.float64)`` (or ``model.double()``) makes every parameter float64,
+BatchNorm's included: the float64 oracle, which runs on ``backend="reference"``
+only and computes in float64 throughout (:mod:`numba_sc.tools.oracle`).
 
 **Backends.** ``model(x)`` runs the CUDA kernels (on a GPU, or under the
 simulator); ``model(x, backend="reference")`` runs every layer's NumPy
@@ -147,7 +150,9 @@ class Module:
     Children are the attributes that hold a :class:`Module` (in the order they
     were set), parameters the names a class lists in ``_params``, each with its
     role: ``"model"`` follows :meth:`to` (convolution and linear weights),
-    ``"float32"`` and ``"int64"`` keep their dtype (BatchNorm's statistics).
+    ``"float32"`` is float32 in a float32 or float16 model and float64 in a float64
+    one (BatchNorm's parameters and statistics, biases: what the references compute
+    in, :func:`numba_sc.core.conventions.compute_dtype`), ``"int64"`` keeps its dtype.
     """
 
     _params: dict = {}  # name -> "model" | "float32" | "int64"
@@ -235,7 +240,8 @@ class Module:
         return self
 
     def to(self, *args, dtype=None, device=None):
-        """Convolution and linear weights to ``dtype``; every parameter to ``device``
+        """Convolution and linear weights to ``dtype`` (the ``"float32"`` parameters to
+        float64 for ``np.float64``, back to float32 otherwise); every parameter to ``device``
         (``"cuda"``: CuPy arrays on the GPU, or NumPy under the simulator;
         ``"cpu"``: NumPy). As in PyTorch, either may be given by position:
         ``model.to("cuda")``, ``model.to(np.float16)``, ``model.to("cuda", np.float16)``.
@@ -258,17 +264,23 @@ class Module:
             try:
                 dt = np.dtype(dtype)
             except TypeError:
-                raise TypeError(f"to() takes a device ('cuda' or 'cpu') or a dtype (np.float32 or "
-                                f"np.float16), got {dtype!r}") from None
-            if dt not in (np.dtype(np.float32), np.dtype(np.float16)):
-                raise TypeError(f"dtype must be float32 or float16, got {dt}")
+                raise TypeError(f"to() takes a device ('cuda' or 'cpu') or a dtype (np.float32, "
+                                f"np.float16, or np.float64 for backend='reference'), got {dtype!r}") from None
+            if dt not in cv.REFERENCE_DTYPES:
+                raise TypeError(f"dtype must be float32 or float16 (or float64 for backend='reference'), "
+                                f"got {dt}")
         if device == "cuda":
+            weights = [getattr(m, p) for _, m in self.named_modules() for p, r in m._params.items() if r == "model"]
+            if weights:  # a float64 model is the oracle's: it stays on the reference backend
+                cv.check_backend_dtype(dt if dtype is not None else weights[0].dtype, "cuda", "the model's weights")
             _require_device()
         for _, m in self.named_modules():
             for p, role in m._params.items():
                 v = getattr(m, p)
                 if dtype is not None and role == "model":
                     v = v.astype(dtype, copy=False)  # (the same array when nothing changes)
+                elif dtype is not None and role == "float32":
+                    v = v.astype(cv.compute_dtype(dtype), copy=False)
                 if device == "cuda":
                     v = to_device(v)
                 elif device == "cpu":
@@ -288,6 +300,10 @@ class Module:
     def float(self):
         return self.to(np.float32)
 
+    def double(self):
+        """Every parameter float64: the oracle's model, for ``backend="reference"``."""
+        return self.to(np.float64)
+
     def train(self, mode: bool = True):
         for m in self.modules():
             m.training = mode
@@ -304,6 +320,9 @@ class Module:
             raise TypeError(f"layer {self.name!r} ({type(self).__name__}): x must be a numba_sc.SparseTensor "
                             f"(coordinates and features), got {type(x).__name__}; make one with "
                             "numba_sc.SparseTensor(coords, features)")
+        if not _RUNNING.get():  # the network's call: float64 refused before any map is built
+            bk = resolve_backend(backend if backend is not None else _BACKEND.get())
+            cv.check_backend_dtype(x.features.dtype, bk, "x's features")
         token = _BACKEND.set(backend) if backend is not None else None
         outermost = not _RUNNING.get()  # the network's own call, not one of its layers'
         running = _RUNNING.set(True) if outermost else None
@@ -443,7 +462,8 @@ def pointwise_backward(features, matrix, g, backend):
     """Gradients of ``y = features @ matrix``: ``(g @ matrix.T, features.T @ g)``."""
     if backend == "reference":
         f, m, g = to_host(features), to_host(matrix), to_host(g)
-        return gg.matmul(g, np.ascontiguousarray(m.T)), (f.T.astype(np.float32) @ g.astype(np.float32)).astype(f.dtype)
+        ct = cv.compute_dtype(f.dtype)
+        return gg.matmul(g, np.ascontiguousarray(m.T)), (f.T.astype(ct) @ g.astype(ct)).astype(f.dtype)
     f, m, g = to_device(features), to_device(matrix), to_device(g)
     xp = array_module(f)
     dm = xp.empty((1,) + tuple(m.shape), dtype=f.dtype)  # features.T @ g read in place, as the weight gradient's
@@ -671,17 +691,18 @@ class BatchNorm(Module):
             c = self.num_features
             return dx, own[c:2 * c], own[:c], dres
         g, x, y = to_host(g), to_host(x), to_host(y)
-        mean, var = np.asarray(mean, np.float32), np.asarray(var, np.float32)
-        inv_std = (1.0 / np.sqrt(var + np.float32(self.eps))).astype(np.float32)
+        ct = cv.compute_dtype(x.dtype)  # float32 (float64 for the oracle's float64)
+        mean, var = np.asarray(mean, ct), np.asarray(var, ct)
+        inv_std = (1.0 / np.sqrt(var + ct.type(self.eps))).astype(ct)
         gm = pw.relu_backward_reference(g, y) if relu else g  # the gradient past the ReLU
-        gf = gm.astype(np.float32, copy=False)
-        xhat = (x.astype(np.float32, copy=False) - mean) * inv_std
+        gf = gm.astype(ct, copy=False)
+        xhat = (x.astype(ct, copy=False) - mean) * inv_std
         dbias, dweight = pw.column_sums(gf), pw.column_sums(gf * xhat)
         c = dbias.shape[0]
-        sums = np.concatenate([dbias, dweight, np.full(1, x.shape[0], np.float32)])
+        sums = np.concatenate([dbias, dweight, np.full(1, x.shape[0], ct)])
         self.comm.all_reduce(sums)  # in place: the whole batch's sums, and its row count
         a, b = sums[:c] / sums[2 * c], sums[c:2 * c] / sums[2 * c]
-        dx = ((to_host(self.weight).astype(np.float32) * inv_std) * (gf - a - xhat * b)).astype(g.dtype)
+        dx = ((to_host(self.weight).astype(ct) * inv_std) * (gf - a - xhat * b)).astype(g.dtype)
         return dx, dweight, dbias, gm
 
     def _batch_statistics(self, features, bk):
@@ -712,9 +733,10 @@ class BatchNorm(Module):
         var, n)``, ``n`` the batch's row count as a float32 array of the features' side
         (exact up to 2**24 rows)."""
         xp = array_module(f)
-        xf = f.astype(np.float32, copy=False)
+        ct = cv.compute_dtype(f.dtype)  # float32 (float64 for the oracle's float64)
+        xf = f.astype(ct, copy=False)
         c = xf.shape[1]
-        sums = xp.concatenate([pw.column_sums(xf), xp.full(1, xf.shape[0], np.float32)])
+        sums = xp.concatenate([pw.column_sums(xf), xp.full(1, xf.shape[0], ct)])
         self.comm.all_reduce(sums)
         n = sums[c]
         mean = sums[:c] / n

@@ -33,7 +33,9 @@ every convolution, has a second version that the library runs
 :func:`batch_norm_v1` is the plain one, and both are checked against the
 reference. The arithmetic is float32 also for
 float16 features (each value is widened when read and rounded once when
-written), as cuDNN's BatchNorm does for half precision.
+written), as cuDNN's BatchNorm does for half precision. float64 features (the
+oracle's, :mod:`numba_sc.tools.oracle`) run on the reference only, in float64
+throughout (:func:`numba_sc.core.conventions.compute_dtype`).
 
 Napkin math: these kernels only move bytes. BatchNorm with a residual on a
 SemanticKITTI level (94k voxels, 64 channels, fp32) reads 2 x 24 MB and writes
@@ -64,9 +66,9 @@ from ..core import conventions as cv
 from ..core.launch import launch
 from ..core.rungs import Ladder, Rung
 
-def _check_pair(a, b, name_a, name_b, same_channels=True):
-    cv.check_features(a, name_a)
-    cv.check_features(b, name_b)
+def _check_pair(a, b, name_a, name_b, same_channels=True, backend=None):
+    cv.check_features(a, name_a, backend)
+    cv.check_features(b, name_b, backend)
     if a.shape[0] != b.shape[0] or (same_channels and a.shape[1] != b.shape[1]):
         raise ValueError(
             f"{name_a} has shape {tuple(a.shape)} and {name_b} {tuple(b.shape)}: "
@@ -87,9 +89,10 @@ def _check_channel_params(c, **params):
 # ------------------------------------------------------------------ reference
 def batch_norm_reference(x, weight, bias, mean, var, eps=1e-5, residual=None, relu=False):
     """NumPy: ``(x - mean) * weight / sqrt(var + eps) + bias`` per channel, then
-    ``+ residual`` and ``max(., 0)`` when asked; float32 arithmetic, rounded once."""
-    f32 = np.float32
+    ``+ residual`` and ``max(., 0)`` when asked; float32 arithmetic (float64 for
+    float64 features), rounded once."""
     x = np.asarray(x)
+    f32 = cv.compute_dtype(x.dtype).type
     v = (x.astype(f32) - np.asarray(mean, f32)) * (
         np.asarray(weight, f32) / np.sqrt(np.asarray(var, f32) + f32(eps))) + np.asarray(bias, f32)
     if residual is not None:
@@ -106,18 +109,21 @@ def relu_reference(x):
 
 
 def add_reference(a, b, relu=False):
-    """NumPy: ``a + b`` (then ``max(., 0)``), float32 arithmetic, rounded once."""
+    """NumPy: ``a + b`` (then ``max(., 0)``), float32 arithmetic (float64 for float64),
+    rounded once."""
     a = np.asarray(a)
-    v = a.astype(np.float32) + np.asarray(b).astype(np.float32)
+    ct = cv.compute_dtype(a.dtype)
+    v = a.astype(ct) + np.asarray(b).astype(ct)
     if relu:
-        v = np.maximum(v, np.float32(0))
+        v = np.maximum(v, ct.type(0))
     return v.astype(a.dtype)
 
 
 def bias_add_reference(x, bias):
-    """NumPy: ``x + bias`` per channel, float32 arithmetic, rounded once."""
+    """NumPy: ``x + bias`` per channel, float32 arithmetic (float64 for float64), rounded once."""
     x = np.asarray(x)
-    return (x.astype(np.float32) + np.asarray(bias, np.float32)).astype(x.dtype)
+    ct = cv.compute_dtype(x.dtype)
+    return (x.astype(ct) + np.asarray(bias, ct)).astype(x.dtype)
 
 
 def concat_reference(a, b):
@@ -249,12 +255,13 @@ def batch_norm(x, weight, bias, mean, var, eps=1e-5, residual=None, relu=False, 
     ``mean`` and ``var`` (C,), then ``+ residual`` (N, C) and ReLU when asked.
 
     Returns an array of the kind and dtype of ``x`` (NumPy or CuPy)."""
-    cv.check_features(x, "x")
+    bk = resolve_backend(backend)
+    cv.check_features(x, "x", bk)
     c = x.shape[1]
     _check_channel_params(c, weight=weight, bias=bias, running_mean=mean, running_var=var)
     if residual is not None:
-        _check_pair(x, residual, "x", "residual")
-    if resolve_backend(backend) == "reference":
+        _check_pair(x, residual, "x", "residual", backend=bk)
+    if bk == "reference":
         return batch_norm_reference(to_host(x), to_host(weight), to_host(bias), to_host(mean),
                                     to_host(var), eps, None if residual is None else to_host(residual), relu)
     return batch_norm_rung("v2", x, weight, bias, mean, var, eps, residual, relu)
@@ -275,31 +282,35 @@ def batch_norm_rung(rung: str, x, weight, bias, mean, var, eps=1e-5, residual=No
 
 
 def column_sums(a):
-    """float32 (C,): the sum of each column of ``a`` (N, C), as one matrix-vector product
+    """float32 (C,) (float64 for float64 ``a``, the oracle's): the sum of each column of
+    ``a`` (N, C), as one matrix-vector product
     (``ones(N) @ a``, cuBLAS on the device). The array library's ``a.sum(axis=0)``
     gives each of the few columns one thread block that walks all N rows, with
     C apart between its reads: on the H100, at 94,444 x 64 float32, it took about
     ten times as long as the product (measured when this function came in)."""
-    af = a if a.dtype == np.float32 else a.astype(np.float32)
+    ct = cv.compute_dtype(a.dtype)
+    af = a if a.dtype == ct else a.astype(ct)
     xp = device_xp() if not isinstance(af, np.ndarray) else np
-    return xp.matmul(xp.ones(af.shape[0], np.float32), af)
+    return xp.matmul(xp.ones(af.shape[0], ct), af)
 
 
 def batch_statistics(x):
-    """Per-channel mean and (biased) variance of ``x`` (N, C) in float32, by the array
-    library: what a BatchNorm in training mode normalizes with (two passes: the
-    mean, then the squares of the deviations from it)."""
-    xf = x.astype(np.float32, copy=False)
+    """Per-channel mean and (biased) variance of ``x`` (N, C) in float32 (float64 for
+    float64 ``x``), by the array library: what a BatchNorm in training mode normalizes
+    with (two passes: the mean, then the squares of the deviations from it)."""
+    ct = cv.compute_dtype(x.dtype)
+    xf = x.astype(ct, copy=False)
     n = max(xf.shape[0], 1)
-    mean = column_sums(xf) / np.float32(n)
-    var = column_sums((xf - mean) ** 2) / np.float32(n)
+    mean = column_sums(xf) / ct.type(n)
+    var = column_sums((xf - mean) ** 2) / ct.type(n)
     return mean, var
 
 
 def relu(x, backend=None):
     """``max(x, 0)`` of features ``x`` (N, C)."""
-    cv.check_features(x, "x")
-    if resolve_backend(backend) == "reference":
+    bk = resolve_backend(backend)
+    cv.check_features(x, "x", bk)
+    if bk == "reference":
         return relu_reference(to_host(x))
     xd = to_device(x)
     out = device_xp().empty(xd.shape, xd.dtype)
@@ -309,8 +320,9 @@ def relu(x, backend=None):
 
 def add(a, b, relu=False, backend=None):
     """``a + b`` of two feature arrays of one shape (then ReLU when asked)."""
-    _check_pair(a, b, "a", "b")
-    if resolve_backend(backend) == "reference":
+    bk = resolve_backend(backend)
+    _check_pair(a, b, "a", "b", backend=bk)
+    if bk == "reference":
         return add_reference(to_host(a), to_host(b), relu)
     ad = to_device(a)
     out = device_xp().empty(ad.shape, ad.dtype)
@@ -320,9 +332,10 @@ def add(a, b, relu=False, backend=None):
 
 def bias_add(x, bias, backend=None):
     """``x + bias``: features ``x`` (N, C) plus one value per channel, ``bias`` (C,)."""
-    cv.check_features(x, "x")
+    bk = resolve_backend(backend)
+    cv.check_features(x, "x", bk)
     _check_channel_params(x.shape[1], bias=bias)
-    if resolve_backend(backend) == "reference":
+    if bk == "reference":
         return bias_add_reference(to_host(x), to_host(bias))
     xd = to_device(x)
     out = device_xp().empty(xd.shape, xd.dtype)
@@ -332,8 +345,9 @@ def bias_add(x, bias, backend=None):
 
 def concat(a, b, backend=None):
     """``[a | b]``: the channels of ``b`` after those of ``a``, row by row."""
-    _check_pair(a, b, "a", "b", same_channels=False)
-    if resolve_backend(backend) == "reference":
+    bk = resolve_backend(backend)
+    _check_pair(a, b, "a", "b", same_channels=False, backend=bk)
+    if bk == "reference":
         return concat_reference(to_host(a), to_host(b))
     ad, bd = to_device(a), to_device(b)
     out = device_xp().empty((ad.shape[0], ad.shape[1] + bd.shape[1]), ad.dtype)
@@ -382,7 +396,8 @@ def batch_norm_backward_reference(g, x, y, weight, mean, var, eps=1e-5, relu=Fal
     a, b = (dbias / n, dweight / n) if training else (0.0, 0.0)
     dx = np.asarray(weight, np.float64) * inv * (g - a - xhat * b)
     dt = np.asarray(y).dtype  # the features' dtype (x is float64 by now)
-    return dx.astype(dt), dweight.astype(np.float32), dbias.astype(np.float32), g.astype(dt)
+    pt = cv.compute_dtype(dt)  # the parameters' gradients: float32, float64 in a float64 model
+    return dx.astype(dt), dweight.astype(pt), dbias.astype(pt), g.astype(dt)
 
 
 @cuda.jit
@@ -415,8 +430,9 @@ def batch_norm_backward_kernel(g, x, y, relu, scale, mean, inv_std, a, b, out):
 
 def relu_backward(g, y, backend=None):
     """``g * (y > 0)``: the gradient through a ReLU whose output was ``y``."""
-    _check_pair(g, y, "g", "y")
-    if resolve_backend(backend) == "reference":
+    bk = resolve_backend(backend)
+    _check_pair(g, y, "g", "y", backend=bk)
+    if bk == "reference":
         return relu_backward_reference(to_host(g), to_host(y))
     gd = to_device(g)
     out = device_xp().empty(gd.shape, gd.dtype)
@@ -429,11 +445,12 @@ def batch_norm_backward(g, x, y, weight, mean, var, eps=1e-5, relu=False, traini
     dresidual)``; ``dresidual`` is ``g`` after the ReLU's mask (what a residual
     operand receives), the others as named. ``mean``/``var``: the statistics the
     forward normalized with. The library's path is :func:`batch_norm_backward_v2`."""
-    _check_pair(g, x, "g", "x")
-    _check_pair(g, y, "g", "y")
+    bk = resolve_backend(backend)
+    _check_pair(g, x, "g", "x", backend=bk)
+    _check_pair(g, y, "g", "y", backend=bk)
     c = g.shape[1]
     _check_channel_params(c, weight=weight, mean=mean, var=var)
-    if resolve_backend(backend) == "reference":
+    if bk == "reference":
         return batch_norm_backward_reference(to_host(g), to_host(x), to_host(y), to_host(weight),
                                              to_host(mean), to_host(var), eps, relu, training)
     return batch_norm_backward_v2(g, x, y, weight, mean, var, eps, relu, training)

@@ -5,6 +5,7 @@
     trace       every intermediate of one convolution, named as in the paper
     demo        the whole pipeline on a scan, kernels beside references
     synthetic   a synthetic LiDAR scene (when no scan is at hand)
+    oracle      each path's gradients against the float64 oracle's, per parameter (check_gradients)
 
 For the lessons (the notebooks and the book):
 

@@ -85,6 +85,7 @@ from ..core.words import as_words, word_view
 from ..gmas.conv import check_map_fits, check_weight, launch_rows_for, layer_plan, gmas, resolve_tiles
 from ..gmas.gather import gather_cuda
 from ..core.tensor import SparseTensor
+from ..core import conventions as cv
 from ..core.conventions import Array
 from ..map.kernel_map import KernelMap
 
@@ -271,6 +272,7 @@ def sparse_conv3d_backward(x: SparseTensor, weight: Array, grad_out: Array, kern
         raise TypeError(f"grad_out is {grad_out.dtype} but the features are {x.features.dtype}; "
                         f"use grad_out.astype(np.{np.dtype(x.features.dtype).name})")
     bk = resolve_backend(backend)
+    cv.check_backend_dtype(x.features.dtype, bk, "x's features")
     if bk == "reference":
         dx, dw = sparse_conv3d_backward_reference(x.features, weight, grad_out, kernel_map, transposed)
         return like(dx, x.features), like(dw, weight)

@@ -74,8 +74,9 @@ def _check_shapes(logits, target, weight):
     if logits.shape[0] == 0:
         raise ValueError("logits has no rows: a loss over no points is undefined (an empty batch or "
                          "an empty crop? skip it before the forward pass)")
-    if np.dtype(logits.dtype) not in cv.FEATURE_DTYPES:
-        raise TypeError(f"logits must be float32 or float16, got {logits.dtype}")
+    if np.dtype(logits.dtype) not in cv.REFERENCE_DTYPES:
+        raise TypeError(f"logits must be float32 or float16 (or float64 on backend='reference'), got "
+                        f"{logits.dtype}")
     if not hasattr(target, "shape") or tuple(target.shape) != (logits.shape[0],):
         shape = tuple(target.shape) if hasattr(target, "shape") else type(target).__name__
         raise ValueError(f"target must have shape ({logits.shape[0]},), one class per row of logits, got {shape}")
@@ -199,7 +200,8 @@ def cross_entropy(logits, target, ignore_index=IGNORE_INDEX, weight=None, backen
     ``cross_entropy``); ``grad_logits`` the gradient of that loss, the shape,
     dtype and kind (NumPy or CuPy) of ``logits``, zero on ignored rows.
 
-    ``logits`` are float32 or float16; ``target`` any integer dtype, every value
+    ``logits`` are float32 or float16 (or float64, the oracle's, on
+    ``backend="reference"``, computed in float64); ``target`` any integer dtype, every value
     a class in ``[0, C)`` or ``ignore_index``; ``weight`` (C,) >= 0. NaN or inf
     logits, and a target with no labelled row, are refused.
 
@@ -213,9 +215,12 @@ def cross_entropy(logits, target, ignore_index=IGNORE_INDEX, weight=None, backen
         raise TypeError(f"ignore_index must be an integer, got {ignore_index!r}")
     ignore_index = int(ignore_index)
     c = logits.shape[1]
-    if resolve_backend(backend) == "reference":
+    bk = resolve_backend(backend)
+    cv.check_backend_dtype(logits.dtype, bk, "logits")
+    if bk == "reference":
         x, t = to_host(logits), to_host(target).astype(np.int64)
-        w = np.ones(c, np.float32) if weight is None else np.asarray(to_host(weight), np.float32)
+        ct = cv.compute_dtype(x.dtype)  # float32, or float64 for the oracle's float64 logits
+        w = np.ones(c, ct) if weight is None else np.asarray(to_host(weight), ct)
         _check_values(np, x, t, w, ignore_index)
         loss, grad = cross_entropy_reference(x, t, ignore_index, w)
         return loss, like(grad, logits)

@@ -271,8 +271,10 @@ def test_bad_input(rng):
     run = ig.implicit_gemm_cuda
     with pytest.raises(TypeError, match="weight is float16 but features are float32"):
         run(f, w.astype(np.float16), table, plan)
-    with pytest.raises(TypeError, match="features must be float32 or float16"):
+    with pytest.raises(TypeError, match="features are float64, which runs only on backend='reference'"):
         run(f.astype(np.float64), w.astype(np.float64), table, plan)
+    with pytest.raises(TypeError, match="features must be float32 or float16"):
+        run(f.astype(np.int32), w.astype(np.int32), table, plan)
     with pytest.raises(ValueError, match=r"weight must have shape \(K, C_in, C_out\) = \(27, 3, C_out\)"):
         run(f, w[:, :2], table, plan)
     with pytest.raises(ValueError, match="weight must have shape"):

@@ -283,7 +283,10 @@ def test_bad_inputs(rng):
     with pytest.raises(ValueError, match="one feature row per coordinate"):
         SparseTensor(x.coords, x.features[:-1])
     with pytest.raises(TypeError, match="float32 or float16"):
-        SparseTensor(x.coords, x.features.astype(np.float64))
+        SparseTensor(x.coords, x.features.astype(np.int32))
+    with pytest.raises(TypeError, match="x's features are float64, which runs only on backend='reference'"):
+        sparse_conv3d(SparseTensor(x.coords, x.features.astype(np.float64)), weights(rng, 27, 4, 4).astype(
+            np.float64), backend="cuda")
     with pytest.raises(ValueError, match=r"weight must have shape \(K, C_in, C_out\) = \(27, 4"):
         sparse_conv3d(x, weights(rng, 8, 4, 4))
     with pytest.raises(ValueError, match="4 input channels"):

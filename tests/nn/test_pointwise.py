@@ -104,7 +104,9 @@ def test_pointwise_bad_input(rng):
     with pytest.raises(ValueError, match="same number of rows"):
         pw.concat(a, a[:2])
     with pytest.raises(TypeError, match="float32 or float16"):
-        pw.relu(a.astype(np.float64))
+        pw.relu(a.astype(np.int32))
+    with pytest.raises(TypeError, match="x are float64, which runs only on backend='reference'"):
+        pw.relu(a.astype(np.float64), backend="cuda")
 
 
 @pytest.mark.parametrize("training,relu,residual", [(True, True, True), (True, False, False), (False, True, False)])
