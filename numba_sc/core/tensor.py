@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import conventions as cv
-from .device import array_module
+from .device import array_module, require_device
 from .backend import like, to_device, to_host
 
 
@@ -193,6 +193,7 @@ class SparseTensor:
             raise TypeError(f"dtype must be float32 or float16, got {dtype!r}")
         coords, features = self.coords, self.features
         if device == "cuda":
+            require_device("SparseTensor.to('cuda')")
             coords, features = to_device(coords), to_device(features)
         elif device == "cpu":
             coords, features = to_host(coords), to_host(features)
