@@ -208,15 +208,21 @@ class Module:
         """Set the parameters from ``state`` (name -> NumPy or CuPy array), each checked
         against the layer's shape and converted to the layer's dtype and side
         (host or device). ``strict``: every name must match, none may be left over."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict name -> array (what model.state_dict() returns), got "
+                            f"{type(state).__name__}")
         self._assign_names()
         expected = dict(self.named_parameters())
         missing = [k for k in expected if k not in state]
         extra = [k for k in state if k not in expected]
         if strict and (missing or extra):
+            whole = isinstance(state.get("model"), dict) and not set(state) & set(expected)
             raise KeyError(
                 f"the checkpoint does not match {type(self).__name__}: missing {missing[:6]}"
                 f"{' ...' if len(missing) > 6 else ''}, unexpected {extra[:6]}"
-                f"{' ...' if len(extra) > 6 else ''}")
+                f"{' ...' if len(extra) > 6 else ''}"
+                + ("; this is a whole training checkpoint: pass its model's state, checkpoint['model']"
+                   if whole else ""))
         owners = {}
         for path, m in self.named_modules():
             for p in m._params:
