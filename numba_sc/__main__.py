@@ -367,7 +367,9 @@ def _train(args):
                "lr": args.lr, "history": history,
                "recorded": {"device": device_name(), "date": time.strftime("%Y-%m-%d"),
                             "command": "python -m numba_sc " + " ".join(sys.argv[1:])}}
-        Path(args.out).write_text(json.dumps(rec, indent=1))
+        from .core.files import write_text
+
+        write_text(args.out, json.dumps(rec, indent=1), name="--out")
     return 0
 
 

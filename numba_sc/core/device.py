@@ -7,6 +7,8 @@ GPU they are CuPy arrays.
 """
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 from numba import config, cuda
 
@@ -59,6 +61,20 @@ def array_module(a):
 
         return cupy
     return np
+
+
+def require_device(what: str) -> None:
+    """Raise unless ``what`` (``"model.cuda()"``, ``"x.to('cuda')"``) can put arrays on the
+    device side: a GPU with CuPy, or the simulator. Says which is missing and what to do,
+    where importing CuPy would only say "No module named 'cupy'"."""
+    if simulating():
+        return
+    if importlib.util.find_spec("cupy") is None:
+        raise RuntimeError(f"{what} needs CuPy: pip install 'numba-sc[cuda12]' (or [cuda13]); "
+                           "without a GPU stay on the CPU (or set NUMBA_ENABLE_CUDASIM=1 "
+                           "before numba is imported, to run the kernels under the simulator)")
+    if not gpu_present():
+        raise RuntimeError(f"{what}: no CUDA GPU is visible; stay on the CPU")
 
 
 def device_xp():

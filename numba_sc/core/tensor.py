@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import conventions as cv
-from .device import array_module
+from .device import array_module, require_device
 from .backend import like, to_device, to_host
 
 
@@ -194,7 +194,7 @@ class SparseTensor:
         coords, features = self.coords, self.features
         if device == "cuda":
             cv.check_backend_dtype(features.dtype if dtype is None else dtype, "cuda", "x's features")
-        if device == "cuda":
+            require_device("SparseTensor.to('cuda')")
             coords, features = to_device(coords), to_device(features)
         elif device == "cpu":
             coords, features = to_host(coords), to_host(features)

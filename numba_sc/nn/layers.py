@@ -54,7 +54,6 @@ reference, for checking.
 from __future__ import annotations
 
 import contextvars
-import importlib.util
 import math
 from contextlib import contextmanager
 
@@ -65,7 +64,7 @@ from ..gmas import gemm_grouping as gg
 from . import pointwise as pw
 from . import maps_up_front
 from ..train.tape import add_param_grad, current_tape
-from ..core.device import array_module, gpu_present, simulating
+from ..core.device import array_module, require_device
 from ..core.backend import like, resolve_backend, to_device, to_host
 from ..train.conv_gradient import sparse_conv3d_backward
 from ..gmas.conv import convolve
@@ -73,6 +72,7 @@ from ..core.tensor import CoordinateMaps, SparseTensor, map_key, same_coordinate
 
 _BACKEND = contextvars.ContextVar("numba_sc_nn_backend", default=None)
 _RUNNING = contextvars.ContextVar("numba_sc_nn_running", default=False)  # inside a module's call
+_PATHS = contextvars.ContextVar("numba_sc_nn_paths", default=None)  # id(module) -> its path in the called network
 _OBSERVERS = []  # callables (module, x, y, kwargs) told of every layer call (benchmarks, tests)
 
 
@@ -91,18 +91,6 @@ def observe(fn):
         yield
     finally:
         _OBSERVERS.remove(fn)
-
-
-def _require_device():
-    """``.cuda()`` needs a GPU with CuPy, or the simulator: say which is missing."""
-    if simulating():
-        return
-    if importlib.util.find_spec("cupy") is None:
-        raise RuntimeError("model.cuda() needs CuPy: pip install 'numba-sc[cuda12]' (or [cuda13]); "
-                           "without a GPU keep the model on the CPU (or set NUMBA_ENABLE_CUDASIM=1 "
-                           "before numba is imported, to run the kernels under the simulator)")
-    if not gpu_present():
-        raise RuntimeError("model.cuda(): no CUDA GPU is visible; keep the model on the CPU")
 
 
 def _number(v, name, what, ok):
@@ -205,6 +193,17 @@ class Module:
         its own): the key of its gradient in :meth:`numba_sc.nn.Tape.backward`'s result."""
         return f"{self._path}.{param}" if self._path else param
 
+    def grad_names(self) -> dict:
+        """``{parameter: its gradient's name}``: the name :meth:`named_parameters` of the
+        network being called gives it, which is what an optimizer built on that network
+        holds. Not :meth:`param_name`: a layer may sit in several networks
+        (``Sequential(a, b)`` and ``Sequential(b, a)``) and keeps the names of the one
+        that named it first. Taken when the layer records its backward step, which runs
+        later, maybe after another network has been called."""
+        paths = _PATHS.get()
+        path = paths.get(id(self), self._path) if paths is not None else self._path
+        return {p: f"{path}.{p}" if path else p for p in self._params}
+
     # -- parameters
     def state_dict(self) -> dict:
         """name -> a NumPy copy of every parameter (PyTorch's names)."""
@@ -214,15 +213,21 @@ class Module:
         """Set the parameters from ``state`` (name -> NumPy or CuPy array), each checked
         against the layer's shape and converted to the layer's dtype and side
         (host or device). ``strict``: every name must match, none may be left over."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict name -> array (what model.state_dict() returns), got "
+                            f"{type(state).__name__}")
         self._assign_names()
         expected = dict(self.named_parameters())
         missing = [k for k in expected if k not in state]
         extra = [k for k in state if k not in expected]
         if strict and (missing or extra):
+            whole = isinstance(state.get("model"), dict) and not set(state) & set(expected)
             raise KeyError(
                 f"the checkpoint does not match {type(self).__name__}: missing {missing[:6]}"
                 f"{' ...' if len(missing) > 6 else ''}, unexpected {extra[:6]}"
-                f"{' ...' if len(extra) > 6 else ''}")
+                f"{' ...' if len(extra) > 6 else ''}"
+                + ("; this is a whole training checkpoint: pass its model's state, checkpoint['model']"
+                   if whole else ""))
         owners = {}
         for path, m in self.named_modules():
             for p in m._params:
@@ -273,7 +278,7 @@ class Module:
             weights = [getattr(m, p) for _, m in self.named_modules() for p, r in m._params.items() if r == "model"]
             if weights:  # a float64 model is the oracle's: it stays on the reference backend
                 cv.check_backend_dtype(dt if dtype is not None else weights[0].dtype, "cuda", "the model's weights")
-            _require_device()
+            require_device("model.cuda()")
         for _, m in self.named_modules():
             for p, role in m._params.items():
                 v = getattr(m, p)
@@ -326,6 +331,10 @@ class Module:
         token = _BACKEND.set(backend) if backend is not None else None
         outermost = not _RUNNING.get()  # the network's own call, not one of its layers'
         running = _RUNNING.set(True) if outermost else None
+        # On a tape, each layer's gradients are named by its path in this network (a walk
+        # over the modules, no arrays: cheap), whatever other networks hold the layer.
+        paths = (_PATHS.set({id(m): p for p, m in self.named_modules()})
+                 if outermost and current_tape() is not None else None)
         try:
             if outermost:  # every map the network will need, built before its first layer
                 maps_up_front.before_forward(self, x, current_backend())
@@ -335,6 +344,8 @@ class Module:
         finally:
             if running is not None:
                 _RUNNING.reset(running)
+            if paths is not None:
+                _PATHS.reset(paths)
             if token is not None:
                 _BACKEND.reset(token)
         for fn in _OBSERVERS:
@@ -427,7 +438,9 @@ class ConvLayer(Module):
         y = self._finish(pointwise_product(x, self.weight[0], bk), bk)
         tape = current_tape()
         if tape is not None:
-            tape.record(y.features, [x.features], lambda g, P: _product_backward(self, x, self.weight[0], g, P, bk))
+            names = self.grad_names()
+            tape.record(y.features, [x.features],
+                        lambda g, P: _product_backward(self, x, self.weight[0], g, P, bk, names))
         return y
 
     def _record(self, x, y, km, transposed, bk, kept):
@@ -435,14 +448,15 @@ class ConvLayer(Module):
         ``kept``: the forward's input buffer (:meth:`_conv`)."""
         tape = current_tape()
         if tape is not None:
+            names = self.grad_names()
             tape.record(y.features, [x.features],
-                        lambda g, P: self._backward(x, km, transposed, g, P, bk, kept))
+                        lambda g, P: self._backward(x, km, transposed, g, P, bk, names, kept))
         return y
 
-    def _backward(self, x, km, transposed, g, params, bk, input_buffer=None):
-        _bias_grad(self, g, params)
+    def _backward(self, x, km, transposed, g, params, bk, names, input_buffer=None):
+        _bias_grad(self, g, params, names)
         dx, dw = sparse_conv3d_backward(x, self.weight, g, km, transposed, backend=bk, input_buffer=input_buffer)
-        add_param_grad(params, self.param_name("weight"), dw, self.weight)
+        add_param_grad(params, names["weight"], dw, self.weight)
         return [dx]
 
     def extra_repr(self):
@@ -470,18 +484,19 @@ def pointwise_backward(features, matrix, g, backend):
     return gg.matmul_cuda(g, xp.ascontiguousarray(m.T)), gg.transposed_products_cuda(f, g, 0, f.shape[0], 1, dm)[0]
 
 
-def _bias_grad(layer, g, params):
+def _bias_grad(layer, g, params, names):
     """A layer's bias gradient (when it has a bias): the column sums of ``g``."""
     if "bias" in layer._params:
-        add_param_grad(params, layer.param_name("bias"), pw.column_sums(g), layer.bias)
+        add_param_grad(params, names["bias"], pw.column_sums(g), layer.bias)
 
 
-def _product_backward(layer, x, matrix, g, params, bk):
+def _product_backward(layer, x, matrix, g, params, bk, names):
     """Backward step of a layer that multiplies every point by ``matrix`` (a 1x1x1
-    convolution's ``weight[0]``, a Linear's ``weight``), then adds its bias."""
-    _bias_grad(layer, g, params)
+    convolution's ``weight[0]``, a Linear's ``weight``), then adds its bias; ``names``:
+    the layer's :meth:`Module.grad_names` when it recorded the step."""
+    _bias_grad(layer, g, params, names)
     dx, dm = pointwise_backward(x.features, matrix, g, bk)
-    add_param_grad(params, layer.param_name("weight"), dm.reshape(layer.weight.shape), layer.weight)
+    add_param_grad(params, names["weight"], dm.reshape(layer.weight.shape), layer.weight)
     return [dx]
 
 
@@ -655,19 +670,19 @@ class BatchNorm(Module):
         y = x.with_features(like(f, x.features))
         tape = current_tape()
         if tape is not None:
-            training = self.training
+            training, names = self.training, self.grad_names()
             tape.record(y.features, [x.features, None if residual is None else residual.features],
-                        lambda g, P: self._backward(x, y, g, mean, var, relu, training, P, bk))
+                        lambda g, P: self._backward(x, y, g, mean, var, relu, training, P, bk, names))
         return y
 
-    def _backward(self, x, y, g, mean, var, relu, training, params, bk):
+    def _backward(self, x, y, g, mean, var, relu, training, params, bk, names):
         if training and self.comm is not None:
             dx, dweight, dbias, dres = self._synced_backward(g, x.features, y.features, mean, var, relu, bk)
         else:
             dx, dweight, dbias, dres = pw.batch_norm_backward(g, x.features, y.features, self.weight, mean, var,
                                                               self.eps, relu, training, backend=bk)
-        add_param_grad(params, self.param_name("weight"), dweight, self.weight)
-        add_param_grad(params, self.param_name("bias"), dbias, self.bias)
+        add_param_grad(params, names["weight"], dweight, self.weight)
+        add_param_grad(params, names["bias"], dbias, self.bias)
         return [dx, dres]
 
     def _synced_backward(self, g, x, y, mean, var, relu, bk):
@@ -711,7 +726,7 @@ class BatchNorm(Module):
             # sums, running averages and all on the device, in six launches
             mean, var, rm, rv = pw.batch_statistics_update(f, self.running_mean, self.running_var, self.momentum)
             self.running_mean, self.running_var = like(rm, self.running_mean), like(rv, self.running_var)
-            self.num_batches_tracked = self.num_batches_tracked + 1
+            self.num_batches_tracked += 1  # in place: it stays a 0-d array (a load writes into it)
             return mean, var
         if self.comm is None:
             mean, var = pw.batch_statistics(f)
@@ -723,7 +738,7 @@ class BatchNorm(Module):
         m = self.momentum
         self.running_mean = like((1 - m) * like(self.running_mean, mean) + m * mean, self.running_mean)
         self.running_var = like((1 - m) * like(self.running_var, var) + m * unbiased, self.running_var)
-        self.num_batches_tracked = self.num_batches_tracked + 1  # on its own side: no device read
+        self.num_batches_tracked += 1  # in place, on its own side: a 0-d array still, and no device read
         return mean, var
 
     def _synced_statistics(self, f):
@@ -789,7 +804,8 @@ class Linear(Module):
             y = y.with_features(like(pw.bias_add(y.features, self.bias, backend=bk), y.features))
         tape = current_tape()
         if tape is not None:
-            tape.record(y.features, [x.features], lambda g, P: _product_backward(self, x, self.weight, g, P, bk))
+            names = self.grad_names()
+            tape.record(y.features, [x.features], lambda g, P: _product_backward(self, x, self.weight, g, P, bk, names))
         return y
 
     def extra_repr(self):

@@ -44,6 +44,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 from urllib.parse import unquote
 
+from ..core.files import write_text
+
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_DIR = ROOT / "notebooks"
 DOCS_DIR = ROOT / "docs"
@@ -285,7 +287,7 @@ def _write_page(exporter, nb, title: str, out: Path, source_dir: Path, pages: di
     body, _ = exporter.from_notebook_node(nb, resources={
         "metadata": {"name": title, "path": str(source_dir)}, "book_top": top, "book_bottom": bottom})
     body = rewrite_links(body, source_dir, pages, out.parent)
-    out.write_text(body.replace(top, nav + banner, 1).replace(bottom, nav, 1), encoding="utf-8")
+    write_text(out, body.replace(top, nav + banner, 1).replace(bottom, nav, 1))
 
 
 def _markdown_notebook(text: str):
@@ -495,7 +497,7 @@ def build_book(out_dir, notebooks: Iterable[str] | None = None, jobs: int | None
         else " (kernels on the GPU)")
     contents = _markdown_notebook(contents_markdown(parts, chapters, titles, docs, built, how))
     _write_page(exporter, contents, "numba-sc: contents", out / "index.html", out, pages, _nav(order, None))
-    (out / "book.json").write_text(json.dumps({
+    write_text(out / "book.json", json.dumps({
         "built": time.strftime("%Y-%m-%d %H:%M"), "executed": execute,
         "simulator": simulating, "jobs": jobs,
         "notebooks": [dataclasses.asdict(r) | {"ok": r.ok} for r in runs]}, indent=1))

@@ -43,6 +43,7 @@ import time
 import numpy as np
 
 from ..core.device import device_name, gpu_present, simulating
+from ..core.files import write_text
 from ..core.rungs import Context, Ladder
 from ..gmas.autotune import gpu_time_once
 
@@ -251,7 +252,6 @@ def run_ladder(stages, coords, channels=64, dtypes=("float32", "float16"), round
         rec = {"points": int(len(coords)), "channels": channels, "rounds": rounds, "rows": rows,
                "recorded": {"device": device_name(), "date": time.strftime("%Y-%m-%d"),
                             "command": "python -m numba_sc " + " ".join(sys.argv[1:]), "code": note}}
-        with open(out, "w") as f:
-            json.dump(rec, f, indent=1)
+        write_text(out, json.dumps(rec, indent=1), name="--out")
     return rows
 

@@ -37,6 +37,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.files import write_text
+
 __all__ = ["RESULTS_DIR", "VOCABULARY", "Finding", "check_prose", "evaluate", "load", "prose_files",
            "provenance", "update_prose"]
 
@@ -330,10 +332,10 @@ def update_prose(files=None, results_dir=None) -> list:
                     if new != text:
                         cell["source"] = new.splitlines(keepends=True)
             if len(changed) > before:  # written the way Jupyter writes notebooks
-                path.write_text(json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
+                write_text(path, json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
         else:
             text = path.read_text()
             new = _update_text(text, results_dir, _where(path), changed)
             if new != text:
-                path.write_text(new)
+                write_text(path, new)
     return changed

@@ -15,7 +15,9 @@ of a car and not its position in one scan:
 Each function takes an (N, 3 + C) float array whose first three columns are
 x, y, z in metres (z up, the sensor at the origin, as in SemanticKITTI) and
 whose other columns (remission, colour, ...) are carried along untouched, and
-an explicit ``rng`` (:func:`numpy.random.default_rng`): the same generator
+an explicit ``rng``: a :class:`numpy.random.Generator`
+(:func:`numpy.random.default_rng`), or an int seed, or None for fresh entropy, as
+NumPy's own functions take it (:func:`as_rng`). The same generator
 state gives the same result, so a training run is reproducible from its seed
 (:class:`numba_sc.train.data.Loader` gives every scan of every epoch its own
 generator). They return new arrays of the input's float dtype and never modify
@@ -59,6 +61,32 @@ def check_points(points, name="points") -> np.ndarray:
     return a
 
 
+def as_rng(rng, draws=(), name="rng"):
+    """``rng`` as a :class:`numpy.random.Generator`: a Generator is used as it is (its
+    draws advance), an int is a seed (``default_rng(seed)``: the same seed, the same
+    draws), None a fresh generator (unrepeatable). An object with the methods in
+    ``draws`` (the ones the caller draws with, e.g. ``("uniform",)``) is used as it is:
+    a test may hand in one that returns a chosen angle. Anything else is refused,
+    naming ``name``.
+
+    >>> as_rng(3).random() == np.random.default_rng(3).random()
+    True
+    """
+    if isinstance(rng, np.random.Generator):
+        return rng
+    if rng is None:
+        return np.random.default_rng()
+    if isinstance(rng, (int, np.integer)) and not isinstance(rng, (bool, np.bool_)):
+        if rng < 0:
+            raise ValueError(f"{name}: a seed must be an integer >= 0, got {rng}")
+        return np.random.default_rng(int(rng))
+    if draws and not isinstance(rng, (bool, np.bool_, float, str, bytes)) and all(
+            callable(getattr(rng, d, None)) for d in draws):
+        return rng
+    raise TypeError(f"{name} must be a numpy.random.Generator (np.random.default_rng(seed)), an int seed or None, "
+                    f"got {type(rng).__name__} {rng!r:.40}")
+
+
 def rotate_z(points, rng, max_angle=math.pi):
     """Rotate the scene about the vertical (z) axis by a random angle.
 
@@ -79,7 +107,7 @@ def rotate_z(points, rng, max_angle=math.pi):
     a = check_points(points)
     if not max_angle >= 0:
         raise ValueError(f"max_angle must be >= 0 (radians), got {max_angle}")
-    t = rng.uniform(-max_angle, max_angle)
+    t = as_rng(rng, ("uniform",)).uniform(-max_angle, max_angle)
     c, s = math.cos(t), math.sin(t)
     out = a.copy()
     x, y = a[:, 0].astype(np.float64), a[:, 1].astype(np.float64)
@@ -104,7 +132,7 @@ def flip(points, rng, axes=(0, 1)):
     axes = tuple(int(ax) for ax in axes)
     if any(ax not in (0, 1, 2) for ax in axes) or len(set(axes)) != len(axes):
         raise ValueError(f"axes must be distinct spatial axes among 0, 1, 2 (x, y, z), got {axes}")
-    draws = rng.random(len(axes))
+    draws = as_rng(rng, ("random",)).random(len(axes))
     out = a.copy()
     for ax, u in zip(axes, draws):
         if u < 0.5:
@@ -126,7 +154,7 @@ def scale(points, rng, low=0.95, high=1.05):
     a = check_points(points)
     if not 0 < low <= high:
         raise ValueError(f"need 0 < low <= high, got low={low}, high={high}")
-    s = rng.uniform(low, high)
+    s = as_rng(rng, ("uniform",)).uniform(low, high)
     out = a.copy()
     out[:, :3] = a[:, :3] * s
     return out
@@ -147,7 +175,7 @@ def jitter(points, rng, sigma=0.01, clip=0.05):
     a = check_points(points)
     if not sigma >= 0 or not clip > 0:
         raise ValueError(f"need sigma >= 0 and clip > 0, got sigma={sigma}, clip={clip}")
-    noise = np.clip(rng.normal(0.0, sigma, (a.shape[0], 3)), -clip, clip)
+    noise = np.clip(as_rng(rng, ("normal",)).normal(0.0, sigma, (a.shape[0], 3)), -clip, clip)
     out = a.copy()
     out[:, :3] = a[:, :3] + noise
     return out
@@ -184,7 +212,7 @@ def crop(points, labels, rng, size, return_indices=False):
         raise ValueError(f"size must be a positive number or 2 or 3 positive numbers (metres), got {size!r}")
     if len(half) == 1:
         half = np.repeat(half, 2)
-    centre = a[rng.integers(n), :len(half)].astype(np.float64)
+    centre = a[as_rng(rng, ("integers",)).integers(n), :len(half)].astype(np.float64)
     d = np.abs(a[:, :len(half)].astype(np.float64) - centre)
     keep = np.flatnonzero((d <= half).all(axis=1))
     if return_indices:
@@ -210,6 +238,8 @@ def compose(*fns):
             raise TypeError(f"compose takes functions (points, rng) -> points, got {f!r}")
 
     def composed(points, rng):
+        if rng is None or isinstance(rng, (int, np.integer)):  # a seed: one generator for all steps,
+            rng = as_rng(rng)  # where a seed given to each would repeat its draws
         for f in fns:
             points = f(points, rng)
         return points

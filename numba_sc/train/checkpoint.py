@@ -25,11 +25,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import zipfile
 from pathlib import Path
 
 import numpy as np
 
 from ..core.backend import to_host
+from ..core.files import atomic_write
 
 FORMAT = "numba-sc checkpoint 1"  # stored in the file; a file without it is not ours
 _META = "__structure__"
@@ -82,7 +84,12 @@ def _unpack(node, arrays):
 def save(state, path) -> Path:
     """Write ``state`` (a dict of arrays, numbers and nested dicts, e.g. a model's
     ``state_dict()``) to ``path`` (``.npz`` is added when missing). CuPy arrays are
-    copied to the host. Returns the path written."""
+    copied to the host. Returns the path written.
+
+    The write is atomic (:func:`numba_sc.core.files.atomic_write`): a process killed
+    while saving leaves the previous checkpoint at ``path``, whole, or the new one;
+    never a half-written file in its place. Everything is checked (what can be
+    stored, that the folder exists) before a byte is written."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict (e.g. model.state_dict()), got {type(state).__name__}")
     arrays = {}
@@ -91,25 +98,53 @@ def save(state, path) -> Path:
     if path.suffix != ".npz":
         path = path.with_name(path.name + ".npz")
     meta = json.dumps({"format": FORMAT, "structure": structure})
-    np.savez(path, **{_META: np.array(meta)}, **arrays)
-    return path
+    # np.savez given an open file writes to it as it is (no ".npz" added: the name is ours)
+    return atomic_write(path, lambda f: np.savez(f, **{_META: np.array(meta)}, **arrays), name="path")
+
+
+def _damaged(path, what):
+    return ValueError(f"{path}: {what}, so it cannot be read as a numba-sc checkpoint; was its writing "
+                      "interrupted, or is it another kind of file? Load an earlier checkpoint, or write a "
+                      "new one with numba_sc.save(model.state_dict(), path)")
 
 
 def load(path) -> dict:
     """Read what :func:`save` wrote: the same nesting, NumPy arrays with the same dtype,
-    shape and values."""
+    shape and values.
+
+    A file that is not such a checkpoint is refused with a ``ValueError`` that names it
+    and says what it is instead (empty, truncated, text, a single ``.npy`` array, an
+    ``.npz`` that :func:`save` did not write); a missing one with ``FileNotFoundError``."""
     path = Path(os.fspath(path))
     if not path.exists() and path.with_name(path.name + ".npz").exists():
         path = path.with_name(path.name + ".npz")
     if not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    with np.load(path, allow_pickle=False) as f:
-        if _META not in f.files:
-            raise ValueError(f"{path} is not a numba-sc checkpoint (no {_META} entry): write one with "
-                             "numba_sc.save(model.state_dict(), path)")
-        meta = json.loads(str(f[_META]))
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{path}: unknown checkpoint format {meta.get('format')!r} (this version reads "
-                             f"{FORMAT!r})")
-        arrays = {k: f[k] for k in f.files if k != _META}
-    return _unpack(meta["structure"], arrays)
+        raise FileNotFoundError(f"no checkpoint at {path}: check the path (numba_sc.save writes name.npz)")
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder, not a checkpoint: give the .npz file inside it")
+    with open(path, "rb") as f:
+        head = f.read(6)
+    if not head:
+        raise _damaged(path, "the file is empty")
+    if head == b"\x93NUMPY":
+        raise _damaged(path, "the file holds a single NumPy array (.npy, written by np.save)")
+    if not head.startswith(b"PK"):
+        raise _damaged(path, "the file is not a zip archive (.npz)")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            if _META not in f.files:
+                raise ValueError(f"{path} is an .npz but not a numba-sc checkpoint (no {_META} entry; it holds "
+                                 f"{sorted(f.files)[:5]}): write one with numba_sc.save(model.state_dict(), path)")
+            meta = json.loads(str(f[_META]))
+            if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+                found = meta.get("format") if isinstance(meta, dict) else None
+                raise ValueError(f"{path}: unknown checkpoint format {found!r} (this version reads "
+                                 f"{FORMAT!r})")
+            arrays = {k: f[k] for k in f.files if k != _META}
+        return _unpack(meta["structure"], arrays)
+    except ValueError as e:
+        if str(path) in str(e):  # ours, above
+            raise
+        raise _damaged(path, f"its contents are damaged ({type(e).__name__}: {e})") from None
+    except (zipfile.BadZipFile, EOFError, OSError, KeyError, TypeError, AttributeError) as e:
+        raise _damaged(path, f"its contents are damaged or incomplete ({type(e).__name__}: {e})") from None

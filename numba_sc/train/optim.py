@@ -82,6 +82,15 @@ def _check_nonnegative(**values):
             raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
 
 
+def _checked_step(v, name) -> int:
+    """A saved step count: a whole number >= 0 (an int, a NumPy integer or a 0-d one)."""
+    if isinstance(v, np.ndarray) and v.ndim == 0:
+        v = v[()]
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise ValueError(f"state 'step' of {name!r} must be a whole number >= 0 (the steps taken), got {v!r}")
+    return int(v)
+
+
 class Optimizer:
     """What SGD and AdamW share: the parameters by name, the state, the checks.
 
@@ -241,27 +250,51 @@ class Optimizer:
 
     def load_state_dict(self, state_dict: dict):
         """Restore what :meth:`state_dict` returned (settings included, ``lr`` too).
-        The arrays are copied, onto the side (NumPy or CuPy) of each parameter."""
-        kind = state_dict.get("optimizer")
+        The arrays are copied, onto the side (NumPy or CuPy) of each parameter.
+
+        Everything is checked before anything changes: the three keys, the same
+        parameter names as this optimizer's, each ``step`` a whole number >= 0 (a
+        bool or a float is refused: a damaged file, not a count), each moment of its
+        parameter's shape and finite (a NaN moment would make the weights NaN at the
+        next step), the settings valid."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict (what optimizer.state_dict() returns), got "
+                            f"{type(state_dict).__name__}")
+        missing = [k for k in ("optimizer", "hyperparameters", "state") if k not in state_dict]
+        if missing:
+            raise ValueError(f"the optimizer state dict lacks {missing} (it has {sorted(state_dict)[:6]}): pass "
+                             "what optimizer.state_dict() returned, e.g. checkpoint['optimizer'], not the "
+                             "whole checkpoint or the model's state")
+        kind = state_dict["optimizer"]
         if kind != type(self).__name__:
             raise ValueError(f"this state dict is of a {kind} optimizer, not a {type(self).__name__}")
+        if not isinstance(state_dict["state"], dict) or not isinstance(state_dict["hyperparameters"], dict):
+            raise TypeError("the optimizer state dict's 'state' and 'hyperparameters' must be dicts")
         names = set(state_dict["state"])
         if names != set(self.params):
-            raise KeyError(f"the state dict holds parameters {sorted(names - set(self.params))} this optimizer "
-                           f"does not, and lacks {sorted(set(self.params) - names)}")
+            raise KeyError(f"the state dict is for other parameters: it holds {sorted(names - set(self.params))[:6]} "
+                           f"this optimizer does not, and lacks {sorted(set(self.params) - names)[:6]}; load it "
+                           "into an optimizer built on the same model's trainable_parameters()")
         new = {}
         for name, saved in state_dict["state"].items():
             p = self.params[name]
             xp = array_module(p)
+            if not isinstance(saved, dict) or "step" not in saved:
+                raise ValueError(f"state of {name!r} must be a dict with its 'step', got {saved!r:.60}")
             new[name] = {}
             for k, v in saved.items():
                 if k == "step":
-                    new[name][k] = int(v)
+                    new[name][k] = _checked_step(v, name)
                     continue
                 v = np.asarray(to_host(v))
+                if not (np.issubdtype(v.dtype, np.floating) or np.issubdtype(v.dtype, np.integer)):
+                    raise TypeError(f"state {k!r} of {name!r} holds {v.dtype} values; it must be numbers")
                 if v.shape != tuple(p.shape):
                     raise ValueError(f"state {k!r} of {name!r} has shape {v.shape}, the parameter "
-                                     f"{tuple(p.shape)}")
+                                     f"{tuple(p.shape)}: the state is of another model")
+                if not np.isfinite(v).all():
+                    raise ValueError(f"state {k!r} of {name!r} holds NaN or inf: the checkpoint is damaged (or was "
+                                     "saved after a diverged step); load an earlier one")
                 new[name][k] = xp.array(v, dtype=_state_dtype(p.dtype))
         settings = self.hyperparameters()
         for k, v in state_dict["hyperparameters"].items():

@@ -48,6 +48,7 @@ from .checkpoint import load, save
 from .loop import evaluate, predict
 from .trainer import Trainer
 from ..core.backend import to_device
+from ..core.files import atomic_write, write_text
 from ..core.device import gpu_present, simulating
 from ..core.tensor import SparseTensor
 from ..coords.voxelization import voxelize
@@ -73,6 +74,7 @@ def prepare_scan(points, raw_labels, rng, voxel_size=0.05, augmentation=True, de
     if points.ndim != 2 or points.shape[1] < 4:
         raise ValueError(f"points must be (N, 4): x, y, z, remission, got {points.shape}")
     if augmentation:
+        rng = augment.as_rng(rng)  # once: each step draws on from the one generator
         points = augment.jitter(augment.scale(augment.flip(augment.rotate_z(points, rng), rng), rng, 0.9, 1.1),
                                 rng, 0.01, 0.05)
     point_target = (np.full(len(points), lb.IGNORE_INDEX, np.int64) if raw_labels is None
@@ -183,9 +185,9 @@ def resume(path, model, optimizer, trainer=None):
 def write_log(history, path):
     """The history as JSON (every step's loss; per epoch the mean, speed and scores) and,
     when matplotlib is there, a plot of the loss and the held-out mIoU per epoch beside it
-    (``path`` with ``.png``)."""
-    path = Path(path)
-    path.write_text(json.dumps(history, indent=1))
+    (``path`` with ``.png``). Both are written atomically: a kill leaves the old file or
+    the new one."""
+    path = write_text(path, json.dumps(history, indent=1), name="log")
     try:
         import matplotlib
 
@@ -204,7 +206,7 @@ def write_log(history, path):
         ax2.set_ylabel("mIoU")
     fig.tight_layout()
     png = path.with_suffix(".png")
-    fig.savefig(png, dpi=100)
+    atomic_write(png, lambda f: fig.savefig(f, format="png", dpi=100), name="log")
     plt.close(fig)
     return png
 
