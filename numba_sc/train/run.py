@@ -49,6 +49,7 @@ from .checkpoint import load, save
 from .loop import evaluate, predict
 from .trainer import Trainer
 from ..core.backend import to_device
+from ..core.conventions import whole_number
 from ..core.device import gpu_present, simulating
 from ..core.tensor import SparseTensor
 from ..coords.voxelization import voxelize
@@ -120,6 +121,9 @@ def fit_dataset(model, optimizer, loader, epochs, schedule=None, start_epoch=0, 
     (mixed precision, one rank of several); default the plain step on ``model``
     and ``optimizer``. On a rank other than 0 nothing is printed, evaluated or
     saved."""
+    epochs = whole_number(epochs, "epochs", 1)
+    start_epoch = whole_number(start_epoch, "start_epoch")
+    log_every = whole_number(log_every or 0, "log_every")  # (0 or None: no step is printed)
     history = list(history or [])
     trainer = trainer or Trainer(model, optimizer, backend=backend)
     print_ = print_ or (lambda s: print(s, flush=True))
