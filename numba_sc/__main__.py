@@ -183,7 +183,7 @@ def main(argv=None):
     ds.add_argument("--workers", type=_at_least(0), default=2, help="threads preparing batches (default 2)")
     ds.add_argument("--no-augment", action="store_true", help="no rotation, flips, scaling or jitter")
     ds.add_argument("--save", help="checkpoint written after every epoch (.npz)")
-    ds.add_argument("--resume", help="checkpoint to continue from (the same settings)")
+    ds.add_argument("--resume", help="checkpoint of a stopped run to continue (the same settings, --epochs included)")
     ds.add_argument("--eval", dest="eval_data",
                     help="held-out scans scored after every epoch: a folder, or 'valid' (sequence 08 of --data)")
     ds.add_argument("--log", help="the run's history as JSON, and a plot of it beside (.png)")
