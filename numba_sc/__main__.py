@@ -12,8 +12,45 @@ Without a GPU the kernels run under Numba's CUDA simulator, on a crop of the clo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from pathlib import Path
+
+
+class UserMistake(Exception):
+    """A wrong argument or input file, told on one line of stderr with exit code 2.
+
+    The command line raises it from :func:`_checking`, around the code that reads and
+    checks what the user gave, before any work starts; an exception raised later (in
+    the work itself) is a bug of ours and keeps its traceback. One kind of mistake
+    can only show up during the work: a damaged file deep in a dataset
+    (:class:`numba_sc.train.labels.DataError`), which :func:`main` reports the same way.
+    """
+
+
+@contextlib.contextmanager
+def _checking():
+    """Turn what the argument and input checks raise into a :class:`UserMistake`."""
+    try:
+        yield
+    except (ValueError, TypeError, OSError) as e:
+        raise UserMistake(str(e) or type(e).__name__) from e
+
+
+def _output_file(path, option):
+    """Refuse, before any work, an output path that cannot be written: its folder is
+    missing or read-only, or the path is a folder. Returns the path (a Path)."""
+    path = Path(path)
+    folder = path.parent
+    if path.is_dir():
+        raise UserMistake(f"{option} {path} is a folder; give a file name inside it, e.g. {path / 'run.json'}")
+    if not folder.is_dir():
+        raise UserMistake(f"{option} {path}: the folder {folder} does not exist; create it first "
+                          f"(mkdir -p {folder}) or give a path in an existing folder")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UserMistake(f"{option} {path}: cannot write there (no permission); give a path you can write")
+    return path
 
 
 def _ensure_kernels_can_run():
@@ -146,7 +183,7 @@ def main(argv=None):
     ds.add_argument("--workers", type=_at_least(0), default=2, help="threads preparing batches (default 2)")
     ds.add_argument("--no-augment", action="store_true", help="no rotation, flips, scaling or jitter")
     ds.add_argument("--save", help="checkpoint written after every epoch (.npz)")
-    ds.add_argument("--resume", help="checkpoint to continue from (the same settings)")
+    ds.add_argument("--resume", help="checkpoint of a stopped run to continue (the same settings, --epochs included)")
     ds.add_argument("--eval", dest="eval_data",
                     help="held-out scans scored after every epoch: a folder, or 'valid' (sequence 08 of --data)")
     ds.add_argument("--log", help="the run's history as JSON, and a plot of it beside (.png)")
@@ -172,18 +209,32 @@ def main(argv=None):
 
     if argv is None:
         _ensure_kernels_can_run()
-    if args.command == "demo":
-        from .tools.demo import demo
+    from .train.labels import DataError
 
-        return demo(args.points, args.columns, args.voxel_size, args.crop)
+    try:
+        return _run(args, argv)
+    except (UserMistake, DataError) as e:
+        print(f"numba-sc {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args, argv):
+    """The command ``args`` asks for; its exit status."""
+    if args.command == "demo":
+        from .tools.demo import demo, load_points
+
+        with _checking():
+            loaded = load_points(args.points, args.columns) if args.points else None
+        return demo(args.points, args.columns, args.voxel_size, args.crop, loaded=loaded)
     if args.command == "check":
-        from .tools.check import run_check
+        from .tools.check import run_check, select_stages
         from .tools.demo import load_points
         from .tools.synthetic import lidar_scene
 
-        if args.points:
-            points, feats = load_points(args.points, args.columns)
-        else:
+        with _checking():
+            select_stages(args.stage)
+            points, feats = load_points(args.points, args.columns) if args.points else (None, None)
+        if points is None:
             points, intensity = lidar_scene()
             feats = intensity[:, None]
         results = run_check(points, feats, args.voxel_size, args.stage, args.crop)
@@ -193,6 +244,9 @@ def main(argv=None):
     if args.command == "figures":
         return _figures(args)
     if args.command == "train":
+        for option in ("out", "save", "log"):  # before any work: a run must not be lost to a typo here
+            if getattr(args, option):
+                _output_file(getattr(args, option), f"--{option}")
         return _train_dataset(args, sys.argv[1:] if argv is None else argv) if args.epochs else _train(args)
     if args.command == "book":
         from .tools.book import main as book
@@ -215,13 +269,22 @@ def _figures(args):
     return 1 if findings else 0
 
 
-def _data_folder(filename, explicit=None):
-    """The first of ``explicit``, $NUMBA_SC_DATA, ../shared/data and ../../shared/data
-    that holds ``filename`` (a Path), or None."""
-    from pathlib import Path
-
-    for d in (explicit, os.environ.get("NUMBA_SC_DATA"), "../shared/data", "../../shared/data"):
-        if d and (Path(d) / filename).exists():
+def _data_folder(filenames, explicit=None):
+    """The folder (a Path) that holds every file of ``filenames``: ``explicit`` when
+    given, which must hold them (an explicit folder is used or refused, never replaced
+    by another); else the first of $NUMBA_SC_DATA, ../shared/data and
+    ../../shared/data that holds them, or None."""
+    if explicit:
+        folder = Path(explicit)
+        if not folder.is_dir():
+            raise UserMistake(f"--data {explicit}: no such folder")
+        missing = [f for f in filenames if not (folder / f).is_file()]
+        if missing:
+            raise UserMistake(f"--data {explicit} has no {' or '.join(missing)}; give the folder that holds "
+                              f"{' and '.join(filenames)}")
+        return folder
+    for d in (os.environ.get("NUMBA_SC_DATA"), "../shared/data", "../../shared/data"):
+        if d and all((Path(d) / f).is_file() for f in filenames):
             return Path(d)
     return None
 
@@ -237,20 +300,21 @@ def _train_dataset(args, argv):
     from .train.trainer import Trainer
 
     if not args.data:
-        print("train --epochs needs --data ROOT: a SemanticKITTI dataset folder or a folder of "
-              ".bin/.label pairs", file=sys.stderr)
-        return 2
-    try:
+        raise UserMistake("--epochs needs --data ROOT: a SemanticKITTI dataset folder or a folder of "
+                          ".bin/.label pairs")
+    with _checking():
         scans = data.ScanFolder(args.data, sequences=args.sequences, split=args.split)
         held = None
         if args.eval_data == "valid":
             held = data.ScanFolder(args.data, split="valid")
-        elif args.eval_data:
-            held = data.ScanFolder(args.eval_data)
+        elif args.eval_data:  # (scored after every epoch: its labels must be there before the first)
+            try:
+                held = data.ScanFolder(args.eval_data, require_labels=True)
+            except FileNotFoundError as e:
+                raise UserMistake(f"--eval {args.eval_data}: {e}. The held-out scans are scored, so each needs "
+                                  "its .label; give a labelled folder, or 'valid'") from e
         placement = parallel.placement_from_environment()
-    except (FileNotFoundError, ValueError) as e:
-        print(f"train: {e}", file=sys.stderr)
-        return 2
+        checkpoint = tr.read_checkpoint(args.resume) if args.resume else None
     on_gpu = gpu_present() and not simulating()
     if args.gpus and args.gpus > 1 and placement is None:  # the launcher: N copies of this command
         count = 0
@@ -279,33 +343,28 @@ def _train_dataset(args, argv):
     def prepare(points, raw, rng):
         return tr.prepare_scan(points, raw, rng, 0.05, augmentation, on_gpu)
 
-    try:
+    with _checking():
         loader = parallel.ShardedLoader(scans, args.batch_size, prepare, rank=comm.rank, size=comm.size,
                                         seed=args.seed, workers=args.workers)
-    except ValueError as e:
-        print(f"train: {e}", file=sys.stderr)
-        return 2
+    # The data folder by its resolved path: "x", "./x" and "x/" are one folder to --resume.
+    settings = {"data": str(Path(args.data).resolve()), "sequences": args.sequences, "split": args.split,
+                "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "width": args.width,
+                "seed": args.seed, "augmentation": augmentation, "amp": args.amp}
+    if checkpoint is not None:  # the settings first: a checkpoint of another --width fails on shapes later
+        _same_settings(checkpoint, settings, args.resume)
     model = models.MinkUNet42(len(tr.FEATURES), labels.NUM_CLASSES, width=args.width, seed=args.seed)
     if on_gpu:
         model.cuda()
     opt = optim.AdamW(model.trainable_parameters(), lr=args.lr, weight_decay=1e-2)
     trainer = Trainer(model, opt, comm=comm, amp=args.amp, backend=backend)
     total = args.epochs * len(loader)
-    settings = {"data": str(args.data), "sequences": args.sequences, "split": args.split, "epochs": args.epochs,
-                "batch_size": args.batch_size, "lr": args.lr, "width": args.width, "seed": args.seed,
-                "augmentation": augmentation, "amp": args.amp}
     start, history = 0, []
-    if args.resume:
-        start, history, saved = tr.resume(args.resume, model, opt, trainer)
-        saved = {"amp": False, **saved}  # (checkpoints from before --amp existed were not amp)
-        differ = {k: (saved.get(k), v) for k, v in settings.items() if k != "epochs" and saved.get(k) != v}
-        if differ:
-            print(f"train --resume: {args.resume} was written with other settings {differ} (saved, given); "
-                  "resume with the same ones", file=sys.stderr)
-            return 2
+    if checkpoint is not None:
+        start, history, _ = tr.resume(checkpoint, model, opt, trainer)
         if main_rank:
             print(f"resumed from {args.resume}: {start} epoch(s) done")
     if main_rank:
+        print(f"data: {scans.root.resolve()}")
         print(f"MinkUNet42 (width {args.width}) on {len(scans)} scans ({scans.layout}), batches of {args.batch_size}"
               f"{f' over {comm.size} GPUs' if comm.size > 1 else ''}, epochs {start}..{args.epochs - 1}, "
               f"backend {backend}{', mixed precision' if args.amp else ''}")
@@ -320,10 +379,27 @@ def _train_dataset(args, argv):
     return 0
 
 
+def _same_settings(checkpoint, settings, path):
+    """Refuse to resume ``checkpoint`` (read from ``path``) with other ``settings``.
+
+    The number of epochs is one of them: the learning rate follows a cosine over the
+    whole run, so a run resumed with another --epochs would continue on another
+    curve than the one it started (its next rate would jump), and would no longer be
+    the run it resumes. To train longer, start a new run with the larger --epochs."""
+    saved = {"amp": False, **checkpoint.get("settings", {})}  # (checkpoints from before --amp were not amp)
+    if saved.get("data") is not None:  # (checkpoints from before paths were resolved hold them as given)
+        saved["data"] = str(Path(saved["data"]).resolve())
+    differ = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
+    if differ:
+        hint = (f"; its learning rate follows a cosine over {saved['epochs']} epochs: resume with --epochs "
+                f"{saved['epochs']}, or start a new run to train for {settings['epochs']}" if "epochs" in differ else "")
+        raise UserMistake(f"--resume {path} was written with other settings {differ} (saved, given); resume "
+                          f"with the same ones{hint}")
+
+
 def _train(args):
     import json
     import time
-    from pathlib import Path
 
     import numpy as np
 
@@ -334,21 +410,36 @@ def _train(args):
     from .core.device import gpu_present, simulating
     from .tools.check import crop_points
 
-    folder = _data_folder("semantickitti_000000.label", args.data)
+    dataset_only = [f"--{o.replace('_', '-')}" for o in ("save", "log", "resume", "eval_data", "sequences", "split",
+                                                          "gpus") if getattr(args, o)]
+    if dataset_only:  # (they would be ignored: this mode trains on one scan and writes only --out)
+        raise UserMistake(f"{', '.join(dataset_only).replace('--eval-data', '--eval')}: only for training on a "
+                          "dataset: add --epochs E (and --data ROOT), or leave them out")
+    scan_files = ("semantickitti_000000.bin", "semantickitti_000000.label")
+    folder = _data_folder(scan_files, args.data)
     if folder is None:
-        print("semantickitti_000000.bin/.label not found: pass --data FOLDER", file=sys.stderr)
-        return 2
-    points = np.fromfile(folder / "semantickitti_000000.bin", np.float32).reshape(-1, 4)
-    raw = labels.load_semantickitti_labels(folder / "semantickitti_000000.label")
+        raise UserMistake(f"{' and '.join(scan_files)} not found in $NUMBA_SC_DATA, ../shared/data or "
+                          "../../shared/data: pass --data FOLDER")
+    with _checking():
+        scan = folder / "semantickitti_000000.bin"
+        if scan.stat().st_size % 16:
+            raise ValueError(f"{scan} has {scan.stat().st_size} bytes, not whole points of 16 (x, y, z, remission "
+                             "as float32)")
+        points = np.fromfile(scan, np.float32).reshape(-1, 4)
+        raw = labels.load_semantickitti_labels(folder / "semantickitti_000000.label")
+    print(f"data: {scan.resolve()}")
     if len(raw) != len(points):
-        print(f"{folder}: semantickitti_000000.label has {len(raw):,} labels but the .bin has {len(points):,} "
-              "points; they must be a scan and its own labels, one label per point", file=sys.stderr)
-        return 2
+        raise UserMistake(f"{folder}: semantickitti_000000.label has {len(raw):,} labels but the .bin has "
+                          f"{len(points):,} points; they must be a scan and its own labels, one label per point")
     on_gpu = gpu_present() and not simulating()
     crop = args.crop if args.crop is not None else (None if on_gpu else 600)
     if crop:
         keep = crop_points(points[:, :3], crop)  # (x, y, z: not the remission column)
         points, raw = points[keep], raw[keep]
+    if (labels.learning_map(raw) == labels.IGNORE_INDEX).all():
+        raise UserMistake(f"the {len(points):,} point(s) of {'--crop ' + str(crop) if crop else 'the scan'} have no "
+                          "scored label (all unlabeled or ignored classes): nothing to learn from; give a larger "
+                          "--crop (e.g. 600)")
     backend = "cuda" if on_gpu else "reference"
     x, target, inverse, point_target = train.scan_tensor(points, raw, 0.05, backend)
     model = models.MinkUNet42(4, labels.NUM_CLASSES, width=args.width, seed=args.seed)
@@ -394,10 +485,13 @@ def _ladder(args):
         return 2
     source = args.points
     if source is None:
-        folder = _data_folder("semantickitti_000000.bin")
+        folder = _data_folder(("semantickitti_000000.bin",))
         source = str(folder / "semantickitti_000000.bin") if folder else None
+    if args.out:
+        _output_file(args.out, "--out")
     if source:
-        points, _ = load_points(source, args.columns)
+        with _checking():
+            points, _ = load_points(source, args.columns)
     else:
         points, _ = lidar_scene()
     on_gpu = gpu_present() and not simulating()

@@ -192,6 +192,15 @@ def positive_int(value, name: str) -> int:
     return int(value)
 
 
+def whole_number(value, name: str, minimum: int = 0) -> int:
+    """A count, an index or a seed: an int >= ``minimum``. A bool, a float (even 2.0) or an
+    array is refused rather than read as a number: each is a guess at what was meant."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < minimum:
+        raise ValueError(f"{name} must be a whole number >= {minimum} (an int, not a bool or a float), "
+                         f"got {value!r}")
+    return int(value)
+
+
 def as_int_tuple(value, name: str, *, minimum: int = 1) -> tuple[int, int, int]:
     """``3`` -> ``(3, 3, 3)``; ``(1, 3, 1)`` stays; anything else raises."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):

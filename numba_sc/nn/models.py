@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..core.conventions import whole_number
 from .layers import (BatchNorm, Identity, Linear, Module, ReLU, Sequential, SparseConv3d,
                  SparseInverseConv3d, SubMConv3d, cat)
 
@@ -83,9 +84,16 @@ class ResidualBlock(Module):
 
 
 def _channels(base, width):
-    if not width > 0:
-        raise ValueError(f"width must be > 0, got {width!r}")
+    """The channel counts ``base`` scaled by ``width`` (each at least 1)."""
+    if isinstance(width, (bool, np.bool_)) or not isinstance(width, (int, float, np.integer, np.floating)) \
+            or not 0 < width < float("inf"):
+        raise ValueError(f"width must be a positive finite number (1.0: the paper's channels), got {width!r}")
     return [max(1, int(round(c * width))) for c in base]
+
+
+def _weights_rng(seed):
+    """The generator of a network's initial weights, from ``seed`` (an int >= 0)."""
+    return np.random.default_rng(whole_number(seed, "seed"))
 
 
 class SparseResNet21(Module):
@@ -97,7 +105,7 @@ class SparseResNet21(Module):
 
     def __init__(self, in_channels=4, width=1.0, seed=0):
         super().__init__()
-        rng = np.random.default_rng(seed)
+        rng = _weights_rng(seed)
         cs = _channels([16, 32, 64, 128], width)
         self.in_channels = int(in_channels)
         stages = []
@@ -123,7 +131,7 @@ class MinkUNet42(Module):
 
     def __init__(self, in_channels=4, num_classes=19, width=1.0, seed=0):
         super().__init__()
-        rng = np.random.default_rng(seed)
+        rng = _weights_rng(seed)
         cs = _channels([32, 32, 64, 128, 256, 256, 128, 96, 96], width)
         self.in_channels, self.num_classes = int(in_channels), int(num_classes)
         self.stem = Sequential(SubMConv3d(in_channels, cs[0], 3, rng=rng), BatchNorm(cs[0]), ReLU(),

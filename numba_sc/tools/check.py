@@ -164,17 +164,27 @@ def _first_table_mismatch(a, b, what):
     return None
 
 
+def select_stages(stage=None, stages=None):
+    """The stages (of ``stages``, default all) whose name contains ``stage`` (any case);
+    all when ``stage`` is empty. A text that matches none is refused, listing the names."""
+    stages = stages or default_stages()
+    if stage is None or stage == "":
+        return stages
+    if not isinstance(stage, str):
+        raise TypeError(f"stage must be text, part of a stage's name, got {type(stage).__name__}")
+    chosen = [s for s in stages if stage.lower() in s.name.lower()]
+    if not chosen:
+        names = "; ".join(s.name for s in stages)
+        raise ValueError(f"--stage {stage!r} matches no stage; stages are: {names} (give part of a name)")
+    return chosen
+
+
 def run_check(points, features, voxel_size, stage=None, crop=1500, stages=None, log=print):
     """Compare kernel and reference for every stage (or those whose name contains ``stage``).
 
     Returns a list of ``(stage name, ok, detail)``; prints a table through ``log``.
     """
-    stages = stages or default_stages()
-    if stage:
-        stages = [s for s in stages if stage.lower() in s.name.lower()]
-        if not stages:
-            names = ", ".join(s.name for s in default_stages())
-            raise ValueError(f"--stage {stage!r} matches no stage; stages are: {names}")
+    stages = select_stages(stage, stages)
     if not gpu_present() and len(points) > crop:
         idx = crop_points(points, crop)
         points = np.ascontiguousarray(points[idx])

@@ -87,23 +87,39 @@ def _line(cells, widths):
 
 
 def load_points(path, columns):
-    """A KITTI-style float32 .bin: x, y, z, then columns-3 feature columns."""
-    if columns < 3:
+    """A KITTI-style float32 .bin: x, y, z, then columns-3 feature columns.
+
+    The file must hold whole points (``4 * columns`` bytes each): a file of another
+    layout, or one cut short, is refused rather than read as wrong points or with
+    its last bytes dropped. Points with a NaN or infinite value are left out."""
+    from pathlib import Path
+
+    from ..core.conventions import positive_int
+
+    if positive_int(columns, "columns") < 3:
         raise ValueError(f"--columns must be at least 3 (x, y, z), got {columns}")
-    raw = np.fromfile(path, dtype=np.float32)
-    if raw.size % columns:
-        raise ValueError(f"{path}: {raw.size} floats do not split into rows of --columns {columns}")
-    data = raw.reshape(-1, columns)
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--points {path}: no such file" + (" (it is a folder)" if path.is_dir() else ""))
+    size, row = path.stat().st_size, 4 * columns
+    if size == 0 or size % row:
+        raise ValueError(f"--points {path} has {size} bytes, not a positive multiple of {row} (--columns {columns} "
+                         f"float32 values a point); give the file's --columns (KITTI: 4, x y z remission)")
+    data = np.fromfile(path, dtype=np.float32).reshape(-1, columns)
     data = data[np.isfinite(data).all(axis=1)]
     feats = np.ascontiguousarray(data[:, 3:]) if columns > 3 else None
     return np.ascontiguousarray(data[:, :3]), feats
 
 
-def demo(points_file=None, columns=4, voxel_size=0.05, crop=1500, log=_say):
+def demo(points_file=None, columns=4, voxel_size=0.05, crop=1500, log=_say, loaded=None):
+    """Run and print the table of :func:`run_stages` on ``points_file`` (a float32 .bin of
+    ``columns`` columns; default a synthetic LiDAR scene). ``loaded``: the file's
+    ``load_points`` result, when the caller has read it already. Returns the exit
+    status: 0 when every kernel agrees with its reference."""
     from .synthetic import lidar_scene
 
     if points_file:
-        points, feats = load_points(points_file, columns)
+        points, feats = loaded if loaded is not None else load_points(points_file, columns)
         log(f"Loaded {len(points)} points from {points_file}.")
     else:
         points, intensity = lidar_scene()

@@ -218,10 +218,11 @@ class ScanFolder:
             sequences = [sequences]
         wanted = []
         for s in sequences:
-            try:
-                wanted.append(f"{int(s):02d}")
-            except (TypeError, ValueError):
-                raise ValueError(f"sequences must be numbers such as 8 or '08', got {s!r}") from None
+            # 8.0 and True are not sequence numbers: refused, not read as 08 and 01
+            whole = isinstance(s, (int, np.integer)) and not isinstance(s, (bool, np.bool_)) and s >= 0
+            if not (whole or isinstance(s, str) and s.strip().isdigit()):
+                raise ValueError(f"sequences must be whole numbers such as 8 or '08', got {s!r}")
+            wanted.append(f"{int(s):02d}")
         missing = [s for s in wanted if s not in present]
         if missing:
             raise FileNotFoundError(f"sequence(s) {', '.join(missing)} not in {seq_root} (no velodyne/ folder); "
@@ -612,7 +613,8 @@ class Loader:
         if len(dataset) == 0:
             raise ValueError("the dataset is empty")
         self.dataset, self.batch_size, self.prepare = dataset, int(batch_size), prepare
-        self.shuffle, self.seed, self.workers, self.prefetch = shuffle, int(seed), int(workers), int(prefetch)
+        self.shuffle, self.workers, self.prefetch = shuffle, int(workers), int(prefetch)
+        self.seed = cv.whole_number(seed, "seed")
         self.drop_last, self.collate = drop_last, collate
         self.epoch = 0
         self.waits = []

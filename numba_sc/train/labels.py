@@ -52,6 +52,13 @@ from ..core.backend import to_host
 
 IGNORE_INDEX = 255
 
+
+class DataError(ValueError):
+    """A data file that is not what it should be: damaged, cut short, or of another
+    dataset. The message names the file. A ValueError, so code that catches those
+    still does; the command line reports it on one line, even when it turns up in a
+    scan deep inside a run (``numba-sc train``)."""
+
 # raw semantic id -> (name, official training id 0..19) from SemanticKITTI's semantic-kitti.yaml
 RAW_CLASSES = {
     0: ("unlabeled", 0),
@@ -109,15 +116,24 @@ for _raw, _official in LEARNING_MAP.items():
 
 def load_semantickitti_labels(path) -> np.ndarray:
     """The ``.label`` file at ``path`` as uint32 words, one per point: semantic id
-    in the low 16 bits, instance id in the high 16 (see :func:`semantic_ids`)."""
+    in the low 16 bits, instance id in the high 16 (see :func:`semantic_ids`).
+
+    A file whose size is not whole words, or that holds a semantic id SemanticKITTI
+    does not define, raises :class:`DataError` naming the file (and the ids): read
+    now, not found later in a batch of a training run."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no label file at {path}")
     size = path.stat().st_size
     if size % 4:
-        raise ValueError(f"{path} has {size} bytes, not a multiple of 4: a .label file is one uint32 per "
-                         "point (is it a .bin scan?)")
-    return np.fromfile(path, dtype="<u4").astype(np.uint32, copy=False)
+        raise DataError(f"{path} has {size} bytes, not a multiple of 4: a .label file is one uint32 per "
+                        "point (is it a .bin scan?)")
+    words = np.fromfile(path, dtype="<u4").astype(np.uint32, copy=False)
+    try:
+        learning_map(words)
+    except ValueError as e:
+        raise DataError(f"{path}: {e}; is it a SemanticKITTI .label file?") from None
+    return words
 
 
 def _label_words(labels, name="labels") -> np.ndarray:

@@ -30,6 +30,7 @@ from . import labels as lb
 from .tape import Tape
 from ..core.device import gpu_present, simulating
 from ..core.backend import resolve_backend, to_device, to_host
+from ..core.conventions import whole_number
 from .loss import cross_entropy
 from ..core.tensor import SparseTensor
 from ..coords.voxelization import voxelize
@@ -140,6 +141,7 @@ def fit_scan(model, optimizer, x, target, inverse, point_target, steps, backend=
     """Train ``model`` on one scan for ``steps`` steps; returns the history: one dict
     per logged step with the loss, the point accuracy and mIoU (at inference), and
     the seconds since the start. ``schedule(step) -> lr``, optional."""
+    steps, log_every = whole_number(steps, "steps", 1), whole_number(log_every, "log_every", 1)
     history = []
     t0 = time.perf_counter()
     for step in range(steps):

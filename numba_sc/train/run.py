@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,7 @@ from .checkpoint import load, save
 from .loop import evaluate, predict
 from .trainer import Trainer
 from ..core.backend import to_device
+from ..core.conventions import whole_number
 from ..core.files import atomic_write, write_text
 from ..core.device import gpu_present, simulating
 from ..core.tensor import SparseTensor
@@ -121,6 +123,9 @@ def fit_dataset(model, optimizer, loader, epochs, schedule=None, start_epoch=0, 
     (mixed precision, one rank of several); default the plain step on ``model``
     and ``optimizer``. On a rank other than 0 nothing is printed, evaluated or
     saved."""
+    epochs = whole_number(epochs, "epochs", 1)
+    start_epoch = whole_number(start_epoch, "start_epoch")
+    log_every = whole_number(log_every or 0, "log_every")  # (0 or None: no step is printed)
     history = list(history or [])
     trainer = trainer or Trainer(model, optimizer, backend=backend)
     print_ = print_ or (lambda s: print(s, flush=True))
@@ -165,15 +170,40 @@ def fit_dataset(model, optimizer, loader, epochs, schedule=None, start_epoch=0, 
     return history
 
 
-def resume(path, model, optimizer, trainer=None):
-    """Load a checkpoint :func:`fit_dataset` wrote into ``model`` and ``optimizer`` (in
-    place), through ``trainer`` when given (with amp: into the float32 masters, and
-    the loss scale); returns ``(epochs done, history, settings)``."""
-    ckpt = load(path)
+def read_checkpoint(path) -> dict:
+    """The checkpoint at ``path`` that :func:`fit_dataset` wrote, read and checked, not yet
+    loaded into anything (so its settings can be compared first).
+
+    A missing file raises FileNotFoundError; a damaged one (cut short, of another
+    kind) or a checkpoint of something other than a training run raises a
+    ValueError naming the file."""
+    try:
+        ckpt = load(path)
+    except FileNotFoundError:
+        raise
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError) as e:
+        # zipfile, NumPy and json each fail a damaged file in their own words: say what it means here
+        raise ValueError(f"{path} cannot be read as a numba-sc checkpoint ({type(e).__name__}: {e}); it is cut "
+                         "short or another kind of file: resume from a checkpoint numba-sc train --save "
+                         "wrote") from e
     for key in ("model", "optimizer", "epochs_done"):
         if key not in ckpt:
             raise ValueError(f"{path} is a checkpoint but not of a training run (no {key!r}); write one with "
                              "numba-sc train --save")
+    done = ckpt["epochs_done"]
+    if isinstance(done, (bool, np.bool_)) or not isinstance(done, (int, np.integer)) or done < 0:
+        raise ValueError(f"{path}: epochs_done must be a whole number >= 0, got {done!r}")
+    if not isinstance(ckpt.get("settings", {}), dict):
+        raise ValueError(f"{path}: settings must be a dict, got {type(ckpt['settings']).__name__}")
+    return ckpt
+
+
+def resume(checkpoint, model, optimizer, trainer=None):
+    """Load a checkpoint :func:`fit_dataset` wrote (a path, or what
+    :func:`read_checkpoint` read) into ``model`` and ``optimizer`` (in place), through
+    ``trainer`` when given (with amp: into the float32 masters, and the loss scale);
+    returns ``(epochs done, history, settings)``."""
+    ckpt = checkpoint if isinstance(checkpoint, dict) else read_checkpoint(checkpoint)
     if trainer is not None:
         trainer.load_state_dict(ckpt)
     else:
@@ -216,5 +246,5 @@ def device_of_run():
     return gpu_present() and not simulating()
 
 
-__all__ = ["FEATURES", "device_of_run", "evaluate_scans", "fit_dataset", "prepare_scan", "resume", "scan_features",
-           "write_log"]
+__all__ = ["FEATURES", "device_of_run", "evaluate_scans", "fit_dataset", "prepare_scan", "read_checkpoint", "resume",
+           "scan_features", "write_log"]

@@ -158,21 +158,35 @@ def test_a_resumed_amp_run_has_the_losses_and_scales_of_an_uninterrupted_one(cro
 
 
 @OVERFLOW
-def test_the_command_trains_with_amp_and_resumes_only_with_it(crops, tmp_path, capsys):
+class _Stopped(Exception):
+    """Stands for a run stopped (killed, crashed) right after a checkpoint was written."""
+
+
+def test_the_command_trains_with_amp_and_resumes_only_with_it(crops, tmp_path, capsys, monkeypatch):
     from numba_sc.__main__ import main
+    from numba_sc.train import run as tr
 
     for i, (p, r) in enumerate(crops[:2]):
         p.tofile(tmp_path / f"crop{i}.bin")
         r.tofile(tmp_path / f"crop{i}.label")
     ckpt = tmp_path / "run.npz"
     argv = ["train", "--data", str(tmp_path), "--batch-size", "2", "--width", "0.125", "--workers", "0",
-            "--save", str(ckpt), "--amp"]
-    assert main(argv + ["--epochs", "1"]) == 0
+            "--save", str(ckpt), "--epochs", "2", "--amp"]
+    save = tr.save
+
+    def save_then_stop(state, path):
+        save(state, path)
+        raise _Stopped
+
+    monkeypatch.setattr(tr, "save", save_then_stop)
+    with pytest.raises(_Stopped):  # a run of two epochs, stopped after the first one's checkpoint
+        main(argv)
+    monkeypatch.undo()
     assert "mixed precision" in capsys.readouterr().out
     saved = load(ckpt)
     assert saved["settings"]["amp"] is True and saved["amp"]["scale"] > 0
     assert saved["model"]["stem.0.weight"].dtype == np.float32  # the masters, not their float16 roundings
-    assert main(argv + ["--epochs", "2", "--resume", str(ckpt)]) == 0
+    assert main(argv + ["--resume", str(ckpt)]) == 0
     assert "resumed from" in capsys.readouterr().out
-    assert main(argv[:-1] + ["--epochs", "3", "--resume", str(ckpt)]) == 2  # without --amp: another run
+    assert main(argv[:-1] + ["--resume", str(ckpt)]) == 2  # without --amp: another run
     assert "other settings" in capsys.readouterr().err

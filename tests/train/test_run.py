@@ -77,19 +77,32 @@ def test_prepare_scan_leaves_position_out_and_augments_reproducibly(folder):
     np.testing.assert_allclose(v.features[row], [points[same, 3].mean(), points[same, 2].mean()], rtol=1e-5)
 
 
-def test_the_command_trains_saves_resumes_and_logs(folder, tmp_path, capsys):
+class _Stopped(Exception):
+    """Stands for a run stopped (killed, crashed) right after a checkpoint was written."""
+
+
+def test_the_command_trains_saves_resumes_and_logs(folder, tmp_path, capsys, monkeypatch):
     from numba_sc.__main__ import main
 
     ckpt, log = tmp_path / "run.npz", tmp_path / "run.json"
     argv = ["train", "--data", str(folder), "--batch-size", "2", "--width", "0.125", "--workers", "1",
-            "--save", str(ckpt), "--log", str(log), "--eval", str(folder), "--log-every", "1"]
-    assert main(argv + ["--epochs", "1"]) == 0
+            "--save", str(ckpt), "--log", str(log), "--eval", str(folder), "--log-every", "1", "--epochs", "2"]
+    save = tr.save
+
+    def save_then_stop(state, path):
+        save(state, path)
+        raise _Stopped
+
+    monkeypatch.setattr(tr, "save", save_then_stop)
+    with pytest.raises(_Stopped):  # the run of two epochs, stopped after the first one's checkpoint
+        main(argv)
+    monkeypatch.undo()
     out = capsys.readouterr().out
-    assert "scans/s" in out and "held-out accuracy" in out and ckpt.exists()
-    assert main(argv + ["--epochs", "2", "--resume", str(ckpt)]) == 0
+    assert "scans/s" in out and "held-out accuracy" in out and ckpt.exists() and not log.exists()
+    assert main(argv + ["--resume", str(ckpt)]) == 0
     assert "resumed from" in capsys.readouterr().out
     history = json.loads(log.read_text())
     assert [h["epoch"] for h in history] == [0, 1] and "eval_miou" in history[1]
     assert log.with_suffix(".png").exists()
-    assert main(argv + ["--epochs", "2", "--resume", str(ckpt), "--lr", "0.5"]) == 2
+    assert main(argv + ["--resume", str(ckpt), "--lr", "0.5"]) == 2
     assert "other settings" in capsys.readouterr().err
