@@ -13,7 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import numba_sc as ns
 from numba_sc import train
+from numba_sc.core.backend import to_host
 from numba_sc.train import augment, labels
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +35,27 @@ def _points(bad):
     p = np.array([[1, 1, 0, 0], [11, 1, 0, 0], [2, 2, 0, 0], [12, 2, 0, 0]], np.float32)
     p[2, :3] = bad
     return p
+
+
+# Three points on a line, one channel, fp16; every offset's weight 2, the centre's 0. Output 1 reads
+# +40000 and -40000 through offsets -1 and +1: partial products +-80000, past fp16's 65504, sum 0.
+LINE = np.array([[0, 0, 0], [1, 0, 0], [2, 0, 0]], np.int32)
+BIG = np.array([[40000], [1], [-40000]], np.float16)
+W2 = np.full((27, 1, 1), 2, np.float16)
+W2[13] = 0
+
+
+def _fp16_layer(backend, dataflow="gmas"):
+    y = ns.sparse_conv3d(ns.SparseTensor(LINE, BIG), W2, backend=backend, dataflow=dataflow)
+    return to_host(y.features).ravel().tolist()
+
+
+def _fp16_input_gradient(backend):
+    """The input gradient is the layer's transpose: dx[1] = G[0] W[+1] + G[2] W[-1] = 80000 - 80000."""
+    x = ns.SparseTensor(LINE, np.ones((3, 1), np.float16))
+    y = ns.sparse_conv3d(x, W2, backend="reference")
+    dx, _ = ns.sparse_conv3d_backward(x, W2, BIG, y.kernel_map, backend=backend)
+    return to_host(dx).ravel().tolist()
 
 
 # ------------------------------------------------------- the declared Python against the code
@@ -107,6 +130,13 @@ CASES = [
      (ValueError, r"points has 1 rows with NaN or inf")),
     ("crop around an inf point", lambda: augment.crop(_points(-np.inf), None, np.random.default_rng(0), 5.0),
      (ValueError, r"points has 1 rows with NaN or inf")),
+    # fp16 features through gather-GEMM-scatter: the per-offset products stay in fp32 until summed (they
+    # were fp16: inf - inf = NaN where the other dataflows, summing in fp32 registers, gave 0)
+    ("fp16 gmas, products past fp16, reference", lambda: _fp16_layer("reference"), lambda v: v == [2, 0, 2]),
+    ("fp16 gmas, products past fp16, kernels", lambda: _fp16_layer("cuda"), lambda v: v == [2, 0, 2]),
+    ("fp16 dataflows agree past fp16", lambda: [_fp16_layer("cuda", d) for d in ("gmas", "fetch", "implicit")],
+     lambda vs: vs[0] == vs[1] == vs[2] == [2, 0, 2]),
+    ("fp16 input gradient, products past fp16", lambda: _fp16_input_gradient("cuda"), lambda v: v == [2, 0, 2]),
     # the declared Python is the one the code needs (add_note is 3.11; pyproject said 3.10)
     ("declared Python covers the code", _newer_than_declared, lambda found: found == []),
 ]
