@@ -47,7 +47,7 @@ def bench_numba_sc(coords, cin, cout, dtype, args, rec):
     import numba_sc
     from numba_sc.gmas.conv import prepare_layer
     from numba_sc.gmas.gather import gather_cuda
-    from numba_sc.gmas.gemm_grouping import centre_product_cuda, grouped_gemm_cuda
+    from numba_sc.gmas.gemm_grouping import centre_product_cuda, grouped_gemm_cuda, product_dtype
     from numba_sc.map.kernel_map import build_kernel_map
     from numba_sc.gmas.metadata import build_plan
     from numba_sc.gmas.scatter import scatter_cuda
@@ -72,7 +72,7 @@ def bench_numba_sc(coords, cin, cout, dtype, args, rec):
     # per stage, on prepared arrays
     f, wd, km2, plan = prepare_layer(x, w, 3, 1, 1, False, km, "cuda")
     ibuf = gather_cuda(f, plan.in_lists, plan.rows, tiles[0])
-    obuf = cupy.empty((plan.rows, cout), dtype=dtype)
+    obuf = cupy.empty((plan.rows, cout), dtype=product_dtype(dtype))  # as the layer has it (float32 for fp16)
     init = centre_product_cuda(f, wd, plan.centre) if plan.centre >= 0 else None
     stages = {
         "map": lambda: build_kernel_map(x.coords, 3, backend="cuda", assume_sorted=True, masks=True),

@@ -102,12 +102,7 @@ def _explain_bad_points(points: np.ndarray, vs: np.ndarray):
     """Raise the precise error for points the quantizer refused (host side, slow path)."""
     s = points.shape[1] - 3
     xyz = points[:, s:].astype(np.float64)
-    bad = ~np.isfinite(points).all(axis=1)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise ValueError(
-            f"points has {int(bad.sum())} rows with NaN or inf (first: row {i}, {points[i].tolist()}); "
-            "drop them first, e.g. points[np.isfinite(points).all(axis=1)]")
+    cv.check_finite_points(points)
     if s:
         b = points[:, 0]
         if (b != np.floor(b)).any() or b.min() < 0 or b.max() > cv.BATCH_MAX:

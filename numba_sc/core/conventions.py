@@ -185,6 +185,21 @@ def check_init(init, n_out: int, c_out: int, dtype=None):
         raise TypeError(f"init must be a float array, got {init.dtype}")
 
 
+def check_finite_points(points, name: str = "points"):
+    """Refuse float ``points`` (N, D) holding NaN or inf, naming the first bad row and the fix.
+
+    Every entry point that takes float points (voxelization, the augmentations, the
+    checkerboard split, the scan loader) calls this one check: a NaN point has no voxel
+    and no square, so anything done with it is a guess; dropping it quietly would lose
+    data the caller may not know was damaged."""
+    bad = ~np.isfinite(points).all(axis=1)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"{name} has {int(bad.sum())} rows with NaN or inf (first: row {i}, {points[i].tolist()}); "
+            "drop them first, e.g. points[np.isfinite(points).all(axis=1)]")
+
+
 def positive_int(value, name: str) -> int:
     """A size argument (channels, features): a positive int, not a float, a bool or an array."""
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:

@@ -42,6 +42,7 @@ import numpy as np
 
 from ..core.device import device_xp
 from .gather import divisors, gather_cuda
+from .gemm_grouping import product_dtype
 from .scatter import scatter_cuda
 
 TARGET_THREADS = 1 << 17
@@ -133,7 +134,7 @@ def search_tiles(samples, c_out, timer, rounds=5, warmup=True):
     xp = device_xp()
     c_in = samples[0][0].shape[1]
     dtype = samples[0][0].dtype
-    obufs = [xp.zeros((plan.rows, c_out), dtype=dtype) for _, plan in samples]
+    obufs = [xp.zeros((plan.rows, c_out), dtype=product_dtype(dtype)) for _, plan in samples]  # as gmas() has it
 
     def calls(stage, t):
         if stage == "gather":

@@ -253,7 +253,8 @@ def _map_layer(x, weight, kernel_size, stride, dilation, transposed, kernel_map,
     return move(x.features), move(weight), km
 
 
-def gmas(features, weight, plan, tiles=(1, 1), backend=None, init=None, keep_buffer=None):
+def gmas(features, weight, plan, tiles=(1, 1), backend=None, init=None, keep_buffer=None,
+         products=None):
     """The GMaS step on prepared arrays: centre product, gather, grouped GEMMs, scatter.
 
     ``features`` (|P|, C_in) in the map's input order, ``weight`` (K, C_in, C_out)
@@ -262,14 +263,20 @@ def gmas(features, weight, plan, tiles=(1, 1), backend=None, init=None, keep_buf
     already computed (or queued: :func:`sparse_conv3d` queues it during the Map
     step's read, or before the metadata for a given map), else None. Returns
     (|Q|, C_out) features on the backend's side.
+
+    ``products``: the dtype of the GEMMs' output buffer; default
+    :func:`numba_sc.gmas.gemm_grouping.product_dtype` (float32 for fp16 features, so
+    that a partial product beyond fp16's range cannot make the sum inf or NaN).
+    ``np.float16`` gives the fp16 buffer of earlier versions, for timing the two.
     """
     bk = resolve_backend(backend)
     n_out = plan.n_out
     c_out = weight.shape[2]
+    obuf_t = gg.product_dtype(features.dtype) if products is None else np.dtype(products)
     if bk == "reference":
         init = gg.matmul(features, weight[plan.centre]) if plan.centre >= 0 else None
         ibuf = gather_reference(features, plan.in_table, plan.rows)
-        obuf = np.zeros((plan.rows, c_out), dtype=features.dtype)
+        obuf = np.zeros((plan.rows, c_out), dtype=obuf_t)
         gg.grouped_gemm_reference(ibuf, weight, plan.groups, obuf)
         return scatter_reference(obuf, plan.out_table, init, n_out, c_out, features.dtype)
     xp = device_xp()
@@ -279,7 +286,7 @@ def gmas(features, weight, plan, tiles=(1, 1), backend=None, init=None, keep_buf
     ibuf = gather_cuda(features, plan.in_lists, plan.rows, tiles[0], zero_padding=keep_buffer is not None)
     if keep_buffer is not None:  # training: the weight gradient reads this buffer again
         keep_buffer.append(ibuf)
-    obuf = xp.empty((plan.rows, c_out), dtype=features.dtype)  # padding rows: never read
+    obuf = xp.empty((plan.rows, c_out), dtype=obuf_t)  # padding rows: never read
     gg.grouped_gemm_cuda(ibuf, weight, plan.groups, obuf)
     return scatter_cuda(obuf, plan.out_lists, init, n_out, c_out, features.dtype, tiles[1])
 

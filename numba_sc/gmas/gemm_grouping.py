@@ -205,16 +205,36 @@ def matmul(a, b):
     return a @ b
 
 
+def product_dtype(dtype) -> np.dtype:
+    """The dtype of the GEMMs' output buffer for features of ``dtype``: float32 for fp16
+    (and fp32) features, float64 for float64.
+
+    One output's partial products are summed by the scatter; only that sum is the
+    layer's output. In fp16 a partial product can pass fp16's largest value (65504)
+    while the sum does not: through two offsets ``+40000 * 2`` and ``-40000 * 2`` sum
+    to 0, but an fp16 buffer holds ``+inf`` and ``-inf``, whose sum is NaN. So the
+    products stay in float32 until the scatter has summed them, and are rounded to
+    fp16 once, as the implicit GEMM and fetch-on-demand dataflows do (they accumulate
+    in registers). The price: the buffer's bytes double in fp16 (the GEMMs write and
+    the scatter reads ``4 n C_out`` bytes instead of ``2 n C_out``);
+    ``benchmarks/probes/fp16_products.py`` times it.
+    """
+    return np.promote_types(np.dtype(dtype), np.float32)
+
+
 def grouped_gemm_reference(in_buf, weight, groups, out_buf):
     """One ``np.matmul`` per group: ``out_buf[group rows] = in_buf[group rows] @ W``.
 
-    fp16 operands are multiplied in fp32 and rounded once at the end (fp32
-    accumulation, as cuBLAS does for half precision).
+    fp16 operands are multiplied in fp32 (fp32 accumulation, as cuBLAS does for
+    half precision) and rounded once, to ``out_buf``'s dtype: not at all for the
+    float32 buffer of :func:`product_dtype`.
     """
     for g in groups:
         a = in_buf[g.start:g.start + g.padded_rows].reshape(len(g.members), g.rows, -1)
-        res = matmul(a, weight[list(g.members)])
-        out_buf[g.start:g.start + g.padded_rows] = res.reshape(g.padded_rows, -1)
+        w = weight[list(g.members)]
+        if a.dtype == np.float16:
+            a, w = a.astype(np.float32), w.astype(np.float32)
+        out_buf[g.start:g.start + g.padded_rows] = np.matmul(a, w).reshape(g.padded_rows, -1)
     return out_buf
 
 
@@ -381,7 +401,8 @@ def take_weights_cuda(weight, order):
 def grouped_gemm_cuda(in_buf, weight, groups, out_buf, streams=STREAM_POOL):
     """One batched cuBLAS GEMM per group, round-robin on a pool of ``streams`` streams.
 
-    ``weight`` is on the device. Under the simulator there are no streams: this
+    ``out_buf`` may be float32 for fp16 operands (:func:`product_dtype`): cuBLAS reads
+    fp16, accumulates in fp32 and writes fp32. ``weight`` is on the device. Under the simulator there are no streams: this
     falls back to the reference. The pool's first stream is the caller's own;
     the others wait for the work queued before the GEMMs (the gather) through an
     event, and the caller's stream waits for each of them before the scatter, so
@@ -398,8 +419,8 @@ def grouped_gemm_cuda(in_buf, weight, groups, out_buf, streams=STREAM_POOL):
         return out_buf
     cupy, cublas = _gpu()
     handle = cupy.cuda.device.get_cublas_handle()
-    c_in, c_out, item = weight.shape[1], weight.shape[2], weight.itemsize
-    t = _CUDA_TYPE[weight.dtype]
+    c_in, c_out, item, out_item = weight.shape[1], weight.shape[2], weight.itemsize, out_buf.itemsize
+    t, out_t = _CUDA_TYPE[weight.dtype], _CUDA_TYPE[out_buf.dtype]
     # Keep the gathered weights referenced until the side streams' GEMMs are joined below:
     # dropped early, their block returns to CuPy's pool tagged with the caller's stream,
     # and another thread allocating on that stream can write it while a side stream's GEMM
@@ -425,7 +446,7 @@ def grouped_gemm_cuda(in_buf, weight, groups, out_buf, streams=STREAM_POOL):
                 handle, 0, 0, c_out, g.rows, c_in, _ONE_PTR,
                 w_ptr + pos * w_step * item, t, c_out, w_step,
                 a_ptr + g.start * c_in * item, t, c_in, g.rows * c_in,
-                _ZERO_PTR, c_ptr + g.start * c_out * item, t, c_out, g.rows * c_out,
+                _ZERO_PTR, c_ptr + g.start * c_out * out_item, out_t, c_out, g.rows * c_out,
                 len(g.members), _COMPUTE_32F, _GEMM_DEFAULT)
         pos += len(g.members)
     for s, done in zip(pool[1:], events.done if events else ()):

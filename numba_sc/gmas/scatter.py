@@ -13,7 +13,11 @@ owns its tile of its output, accumulates its partial results in registers and
 writes the tile once. No other thread touches that tile, so there are no atomics
 and the sum is taken in a fixed order (offset order: the order of the output's
 list, :class:`numba_sc.gmas.metadata.PointLists`): the result is deterministic, run
-after run. Sums are accumulated in fp32 also for fp16 data.
+after run. Sums are accumulated in fp32 also for fp16 data, and for fp16 features
+the buffer itself is float32 (:func:`numba_sc.gmas.gemm_grouping.product_dtype`: a
+partial product may pass fp16's range where the sum does not), so each output is
+rounded to fp16 once. A buffer and output of different dtypes are read and written
+channel by channel (v3), not as words.
 
 Worked example, ``C_out = 2``, ``T = 1``, output 3 with rows ``[4, 9]`` (its
 table row ``[4, -1, 9]``)::

@@ -135,13 +135,13 @@ def trace(coords, features, weight, kernel_size=3, stride=1, dilation=1, backend
     init = gg.matmul(f, w[plan.centre]) if plan.centre >= 0 else None
     if bk == "reference":
         ibuf = gather_reference(f, plan.in_table, plan.rows)
-        obuf = np.zeros((plan.rows, c_out), dtype=f.dtype)
+        obuf = np.zeros((plan.rows, c_out), dtype=gg.product_dtype(f.dtype))
         gg.grouped_gemm_reference(ibuf, w, plan.groups, obuf)
         out = scatter_reference(obuf, plan.out_table, init, n_out, c_out, f.dtype)
     else:
         xp = device_xp()
         ibuf = gather_cuda(f, plan.in_lists, plan.rows, tile_size[0])
-        obuf = xp.zeros((plan.rows, c_out), dtype=f.dtype)
+        obuf = xp.zeros((plan.rows, c_out), dtype=gg.product_dtype(f.dtype))
         gg.grouped_gemm_cuda(ibuf, w, plan.groups, obuf)
         out = scatter_cuda(obuf, plan.out_lists, None if init is None else init.copy(),
                            n_out, c_out, f.dtype, tile_size[1])

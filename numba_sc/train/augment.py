@@ -48,9 +48,12 @@ import math
 
 import numpy as np
 
+from ..core import conventions as cv
+
 
 def check_points(points, name="points") -> np.ndarray:
-    """``points`` as a float NumPy array (N, 3 + C); raises with the reason otherwise."""
+    """``points`` as a float NumPy array (N, 3 + C) of finite numbers; raises with the reason otherwise
+    (a NaN point would rotate to NaN, and a crop centred on one would keep nothing)."""
     if not hasattr(points, "shape") or not hasattr(points, "dtype"):
         raise TypeError(f"{name} must be a NumPy array (N, 3 + C), got {type(points).__name__}")
     a = np.asarray(points)
@@ -58,6 +61,7 @@ def check_points(points, name="points") -> np.ndarray:
         raise ValueError(f"{name} must have shape (N, 3 + C): x, y, z first, got {a.shape}")
     if not np.issubdtype(a.dtype, np.floating):
         raise TypeError(f"{name} must be a float array (float32), got {a.dtype}")
+    cv.check_finite_points(a, name)
     return a
 
 

@@ -278,6 +278,7 @@ class ScanFolder:
         if raw.size % 4:
             raise ValueError(f"{self.paths[i]} holds {raw.size} floats, not whole points of 4 (x, y, z, remission)")
         points = raw.astype(np.float32, copy=False).reshape(-1, 4)
+        cv.check_finite_points(points, str(self.paths[i]))  # a damaged scan is named, not trained on
         if self.label_paths[i] is None:
             return points, None
         labels = load_semantickitti_labels(self.label_paths[i])

@@ -278,7 +278,34 @@ def iou(confusion) -> np.ndarray:
         return np.where(union > 0, tp / np.where(union > 0, union, 1), np.nan)
 
 
-def miou(confusion) -> float:
+def check_classes(classes, num_classes, name="classes") -> list[int]:
+    """A list of class ids to score: whole ints (not bools, not floats) in
+    ``[0, num_classes)``, each once, at least one. Returned sorted.
+
+    A negative id would index from the end (``-1`` the last class) and a repeated
+    one would weigh its class twice in a mean, so both are refused here rather
+    than scored."""
+    if isinstance(classes, (str, bytes)) or not hasattr(classes, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of class ids, e.g. [0, 3, 8], got {classes!r}")
+    ids = list(classes)
+    if not ids:
+        raise ValueError(f"{name} is empty: name at least one class id to score")
+    bad = [c for c in ids if isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer))]
+    if bad:
+        raise TypeError(f"{name} must hold int class ids, got {bad[:5]!r}; a class id is whole "
+                        f"(write 3, not 3.0 or True)")
+    ids = [int(c) for c in ids]
+    out = sorted(c for c in ids if not 0 <= c < num_classes)
+    if out:
+        raise ValueError(f"{name} has ids {out[:10]} outside [0, {num_classes}): class ids count from 0, "
+                         f"and a negative id does not count from the end")
+    twice = sorted({c for c in ids if ids.count(c) > 1})
+    if twice:
+        raise ValueError(f"{name} names the classes {twice} more than once: list each class once")
+    return sorted(ids)
+
+
+def miou(confusion, classes=None) -> float:
     """The mean IoU over the classes present in the targets or the predictions.
 
     A class absent from both has IoU 0 / 0 and is left out of the mean: counting
@@ -286,6 +313,17 @@ def miou(confusion) -> float:
     counting it as 1 would reward it. A class that is predicted but absent from
     the targets (a false alarm) counts, with IoU 0. Over a whole split every
     class is present and this is the benchmark's mIoU.
+
+    ``classes`` (ids, optional): average over these classes only (checked by
+    :func:`check_classes`); the same rule leaves out those of them absent from
+    both. This is the one place the rule lives: :func:`numba_sc.train.evaluate`
+    calls it.
     """
     values = iou(confusion)
+    if classes is not None:
+        classes = check_classes(classes, len(values))
+        values = values[classes]
+    if np.isnan(values).all():
+        raise ValueError(f"none of the classes {classes} occurs in the targets or the predictions: their mIoU "
+                         "is 0 / 0; choose classes present in the scored points")
     return float(np.nanmean(values))

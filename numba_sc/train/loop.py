@@ -32,6 +32,7 @@ from ..core.device import gpu_present, simulating
 from ..core.backend import resolve_backend, to_device, to_host
 from ..core.conventions import whole_number
 from .loss import cross_entropy
+from ..core.conventions import check_finite_points
 from ..core.tensor import SparseTensor
 from ..coords.voxelization import voxelize
 
@@ -88,10 +89,14 @@ def checkerboard(points, size=10.0):
     points whose square has ``floor(x / size) + floor(y / size)`` even, False for the
     others. Training on one colour and scoring on the other measures whether a network
     generalizes to ground it has not seen; unlike a split at x = 0, both colours hold
-    the same mix of classes (road, building, vegetation, cars ...)."""
-    points = np.asarray(points)
+    the same mix of classes (road, building, vegetation, cars ...). A point with NaN or
+    inf has no square and is refused, not put on either colour."""
+    points = np.asarray(to_host(points))
     if points.ndim != 2 or points.shape[1] < 2:
         raise ValueError(f"points must be (N, 2 or more) with x, y first, got {points.shape}")
+    if not np.issubdtype(points.dtype, np.number):
+        raise TypeError(f"points must be a numeric array, got {points.dtype}")
+    check_finite_points(points)
     if not (isinstance(size, (int, float, np.floating, np.integer)) and np.isfinite(size) and size > 0):
         raise ValueError(f"size must be a positive number of metres, got {size!r}")
     cells = np.floor(points[:, :2].astype(np.float64) / size).astype(np.int64)
@@ -102,18 +107,13 @@ def evaluate(pred, point_target, classes=None, num_classes=lb.NUM_CLASSES):
     """Scores of point predictions ``pred`` against ``point_target`` (ignore index 255
     left out): ``{"accuracy", "miou", "iou": {class name: IoU}, "confusion"}``.
 
-    ``classes`` (ids): the classes the mIoU averages over, e.g. those present in both
-    the training and the evaluated points; default: every class present in the
-    targets or the predictions (:func:`numba_sc.train.labels.miou`)."""
+    ``classes`` (int ids in ``[0, num_classes)``, each once): the classes the mIoU
+    averages over, e.g. those present in both the training and the evaluated points;
+    default: every class. Either way a class absent from both the targets and the
+    predictions is left out of the mean (:func:`numba_sc.train.labels.miou`)."""
     cm = lb.confusion_matrix(pred, point_target, num_classes)
     per_class = lb.iou(cm)
-    if classes is None:
-        m = lb.miou(cm)
-    else:
-        classes = sorted(int(c) for c in classes)
-        if not classes:
-            raise ValueError("classes is empty: name at least one class to average the IoU over")
-        m = float(np.nanmean(np.where(np.isnan(per_class[classes]), 0.0, per_class[classes])))
+    m = lb.miou(cm, classes)
     names = lb.CLASS_NAMES if num_classes == lb.NUM_CLASSES else [str(c) for c in range(num_classes)]
     return {"accuracy": lb.accuracy(cm), "miou": m,
             "iou": {names[c]: (None if np.isnan(v) else float(v)) for c, v in enumerate(per_class)},
@@ -124,8 +124,11 @@ def iou_table(results: dict, classes=None) -> str:
     """A plain-text table of per-class IoU, one column per entry of ``results``
     (name -> :func:`evaluate`'s result), then the accuracy and the mIoU."""
     names = list(results)
+    if not names:
+        raise ValueError("results is empty: give at least one {name: evaluate(...)} entry")
     first = results[names[0]]["iou"]
-    rows = [c for i, c in enumerate(first) if classes is None or i in set(classes)]
+    keep = set(range(len(first)) if classes is None else lb.check_classes(classes, len(first)))
+    rows = [c for i, c in enumerate(first) if i in keep]
     w = max(len(r) for r in rows + ["point accuracy"])
     lines = [f"{'class':{w}s}  " + "  ".join(f"{n:>12s}" for n in names)]
     for r in rows:
