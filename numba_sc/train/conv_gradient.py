@@ -103,17 +103,23 @@ def _pairs(kernel_map, transposed):
 
 
 def sparse_conv3d_backward_reference(features, weight, grad_out, kernel_map, transposed=False):
-    """NumPy reference, in float64, pair by pair as the module docstring writes it:
-    ``dx[j] += G[i] @ W[k].T`` and ``dW[k] += outer(x[j], G[i])``. Returns
-    ``(grad_features, grad_weight)`` in the features' dtype."""
+    """NumPy reference, in float64, as the module docstring writes it, one offset at a
+    time: with offset k's pairs ``(i, j)`` stacked, ``dW[k] = x[j].T @ G[i]`` (the sum
+    of the pairs' outer products) and ``dx[j] += G[i] @ W[k].T``. Within one offset
+    every input appears at most once (``p = q + delta_k`` pairs each output with one
+    input and back), so the ``+=`` through the index array adds each row once.
+    Returns ``(grad_features, grad_weight)`` in the features' dtype."""
     x = np.asarray(to_host(features), np.float64)
     w = np.asarray(to_host(weight), np.float64)
     g = np.asarray(to_host(grad_out), np.float64)
     k, i, j = _pairs(kernel_map, transposed)
     dx = np.zeros_like(x)
-    np.add.at(dx, j, np.einsum("po,pco->pc", g[i], w[k]))
     dw = np.zeros_like(w)
-    np.add.at(dw, k, np.einsum("pc,po->pco", x[j], g[i]))
+    for kk in np.unique(k):
+        pairs = k == kk
+        ik, jk = i[pairs], j[pairs]
+        dw[kk] = x[jk].T @ g[ik]
+        dx[jk] += g[ik] @ w[kk].T
     dt = np.asarray(to_host(features)).dtype
     return dx.astype(dt), dw.astype(dt)
 
