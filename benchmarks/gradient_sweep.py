@@ -102,25 +102,29 @@ def load(name, data):
 
 # ------------------------------------------------------------------ spconv's side
 def spconv_gradients(model, coords, feats, g):
-    """algo -> our parameter name -> spconv's float32 gradient in our layout, one step of
-    each twin (training mode, the model's weights, the output gradient ``g``)."""
+    """(algo -> our parameter name -> spconv's float32 gradient in our layout, algo -> its
+    output features in our rows' order), one step of each twin (training mode, the
+    model's weights, the output gradient ``g``)."""
     import spconv.pytorch as spconv
     import torch
 
-    from bench_net import build_spconv
+    from bench_net import build_spconv, spconv_output
     from spconv_nets import spconv_input
     from numba_sc.nn.spconv_format import state_dict_from_spconv, state_dict_to_spconv
 
-    indices, spatial, _ = spconv_input(coords, feats)
+    indices, spatial, lo = spconv_input(coords, feats)
     tfeats = torch.from_numpy(feats).cuda()
     sp_state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state_dict_to_spconv(model).items()}
     names = [n for n, _ in model.trainable_parameters()]
-    out = {}
+    out, outputs = {}, {}
     for algo in ("Native", "MaskImplicitGemm"):
         t = build_spconv("unet42", feats.shape[1], algo)
         t.load_state_dict(sp_state)
         t.train()
         y = t(spconv.SparseConvTensor(tfeats, indices, spatial, 1))
+        cs, fs = spconv_output(y, lo, np.ones(3, np.int64))
+        assert np.array_equal(cs, coords), "spconv's output rows are not ours"
+        outputs[f"spconv {algo}"] = fs
         y.features.backward(torch.as_tensor(g, device="cuda"))
         state = {k: v.detach().cpu().numpy() for k, v in t.state_dict().items()}
         state.update({k: p.grad.detach().cpu().numpy() for k, p in t.named_parameters()})
@@ -128,22 +132,24 @@ def spconv_gradients(model, coords, feats, g):
         out[f"spconv {algo}"] = {n: ours[n] for n in names}
         del t, y
     torch.cuda.empty_cache()
-    return out
+    return out, outputs
 
 
 # ------------------------------------------------------------------ what the float64 forward saw
-def batchnorm_diagnostics(model, x):
+def batchnorm_diagnostics(model, x, gpu):
     """Per BatchNorm (network order), from a float64 forward in training mode on a copy:
-    channels whose batch variance is below eps, and the share of values before its ReLU
-    (the residual added) within 1e-6 and 1e-4 of zero: where a float32 engine's rounding
-    can flip the ReLU's mask."""
+    channels whose batch variance is below eps, the share of values before its ReLU (the
+    residual added) within 1e-6 and 1e-4 of zero, and, with ``gpu``, how many of those
+    values ours' float32 forward on the GPU puts on the other side of zero (the ReLU's
+    mask flipped: a gradient element passed where float64 stops it, or the reverse).
+    Returns ``(rows, float64 output features)``."""
     import copy
 
     from numba_sc import nn
 
     m = copy.deepcopy(model).cpu().to(np.float64)
     m.train()
-    seen = []
+    seen, signs = [], {}
 
     def obs(mod, xin, y, kw):
         if isinstance(mod, nn.BatchNorm):
@@ -159,10 +165,28 @@ def batchnorm_diagnostics(model, x):
                          "relu": bool(kw.get("relu")),
                          "pre_relu_within_1e-6": float((np.abs(v) < 1e-6).mean()),
                          "pre_relu_within_1e-4": float((np.abs(v) < 1e-4).mean())})
+            if kw.get("relu"):
+                signs[mod.name] = np.asarray(y.features) > 0
 
     with nn.observe(obs):
-        m(x.cpu().to(np.float64), backend="reference")
-    return seen
+        y64 = np.asarray(m(x.cpu().to(np.float64), backend="reference").features)
+    if gpu:
+        import cupy
+
+        flips = {}
+
+        def obs32(mod, xin, y, kw):
+            if isinstance(mod, nn.BatchNorm) and kw.get("relu"):
+                flips[mod.name] = int(((cupy.asnumpy(y.features) > 0) != signs[mod.name]).sum())
+
+        mc = copy.deepcopy(model).cuda()
+        mc.train()
+        with nn.observe(obs32):
+            mc(x.cuda())
+        for row in seen:
+            if row["layer"] in flips:
+                row["relu_flips_cuda_float32"] = flips[row["layer"]]
+    return seen, y64
 
 
 def calibrated_cpu(coords, feats):
@@ -195,12 +219,14 @@ def run_cloud(name, data, with_reference32, gpu, rec):
     x = ns.SparseTensor(coords, feats)
     g = _output_gradient((len(coords), 19))
     t0 = time.perf_counter()
-    others = spconv_gradients(model, coords, feats, g) if gpu else None
+    others, sp_out = spconv_gradients(model, coords, feats, g) if gpu else (None, {})
     paths = (("cuda float32",) if gpu else ()) + (("reference float32",) if with_reference32 else ())
     report = ns.check_gradients(model, x, g, paths=paths, others=others)
     rec["seconds"] = round(time.perf_counter() - t0, 1)
     rec["report"] = report.to_dict()
-    rec["batchnorm"] = batchnorm_diagnostics(model, x)
+    rec["batchnorm"], y64 = batchnorm_diagnostics(model, x, gpu)
+    rec["spconv_output_distance"] = {k: float(np.linalg.norm(v - y64) / np.linalg.norm(y64)) for k, v in sp_out.items()}
+    rec["relu_flips_cuda_float32"] = sum(r.get("relu_flips_cuda_float32", 0) for r in rec["batchnorm"])
     if gpu:
         import cupy
 
@@ -214,7 +240,8 @@ def summary_line(rec):
         return f"{rec['cloud']:<26} failed: {rec.get('error', '')[:90]}"
     tot = r["total"]
     cells = "  ".join(f"{k.replace('spconv ', 'sp ').replace('reference', 'ref')}={v:.2e}" for k, v in tot.items())
-    return f"{rec['cloud']:<26} {rec['voxels']:>7}  {cells}"
+    flips = rec.get("relu_flips_cuda_float32")
+    return f"{rec['cloud']:<26} {rec['voxels']:>7}  {cells}" + ("" if flips is None else f"  flips={flips}")
 
 
 def main(argv=None):
