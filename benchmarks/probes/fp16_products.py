@@ -38,6 +38,8 @@ def main():
     ap.add_argument("--data", default=None)
     ap.add_argument("--channels", default="32,64,128")
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--net", default="kitti,kitti_20k",
+                    help="clouds for the whole-network A/B (MinkUNet42 fp16 forward); empty: none")
     ap.add_argument("--out", default="benchmarks/results/fp16_products.json")
     args = ap.parse_args()
 
@@ -79,7 +81,44 @@ def main():
         print(f"{c:4d} {ms['fp16, fp32 products']:20.3f} {ms['fp16, fp16 products']:20.3f} {rec['ratio']:6.2f} "
               f"{ms['fp32 layer']:11.3f} {diff:11.2e}  (GPU time ratio {rec['gpu_ratio']:.2f})", flush=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
+    out["net"] = [network_ab(cloud, args) for cloud in args.net.split(",") if cloud]
+    Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")
+
+
+def network_ab(cloud, args):
+    """What a user of fp16 meets: MinkUNet42's fp16 forward (eval mode, every map built
+    again each call), with the float32 buffer and with the float16 one as before (the
+    library's ``gemm_grouping.product_dtype`` swapped for the call), interleaved."""
+    import cupy
+
+    import numba_sc as ns
+    from bench_net import build_ours, load_cloud
+    from numba_sc.gmas import gemm_grouping as gg
+
+    coords, feats = load_cloud(cloud, find_data(args.data))
+    model = build_ours("unet42", feats.shape[1]).cuda().half().eval()
+    x = ns.SparseTensor(cupy.asarray(coords), cupy.asarray(feats.astype(np.float16)))
+    now = gg.product_dtype
+
+    def run(rule):
+        def call():
+            gg.product_dtype = rule
+            try:
+                model(x.without_maps())
+            finally:
+                gg.product_dtype = now
+        return call
+
+    t = interleaved({"fp32 products": run(now), "fp16 products": run(lambda dt: np.dtype(dt))},
+                    args.rounds, block=2, warmup=3, timers={"ms": wall_ms})
+    rec = {"cloud": cloud, "voxels": int(len(coords)), "net": "MinkUNet42 fp16 forward",
+           "ms": {k: v["ms"] for k, v in t.items()}}
+    rec["ratio"] = rec["ms"]["fp32 products"] / rec["ms"]["fp16 products"]
+    print(f"MinkUNet42 fp16 forward on {cloud} ({len(coords)} voxels): fp32 products "
+          f"{rec['ms']['fp32 products']:.2f} ms, fp16 products {rec['ms']['fp16 products']:.2f} ms, "
+          f"ratio {rec['ratio']:.3f}", flush=True)
+    return rec
 
 
 if __name__ == "__main__":

@@ -179,9 +179,9 @@ def read_checkpoint(path) -> dict:
     ValueError naming the file."""
     try:
         ckpt = load(path)
-    except FileNotFoundError:
-        raise
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError) as e:
+    except (FileNotFoundError, IsADirectoryError, ValueError):
+        raise  # numba_sc.load names the file and says what it holds instead
+    except (zipfile.BadZipFile, EOFError, OSError, KeyError) as e:
         # zipfile, NumPy and json each fail a damaged file in their own words: say what it means here
         raise ValueError(f"{path} cannot be read as a numba-sc checkpoint ({type(e).__name__}: {e}); it is cut "
                          "short or another kind of file: resume from a checkpoint numba-sc train --save "
