@@ -403,7 +403,9 @@ def sparse_conv3d(x: SparseTensor, weight: Array, kernel_size: IntOr3 = 3, strid
         each output tile summing over the offsets its rows have
         (:mod:`numba_sc.dataflows.implicit_gemm`). ``"auto"``: the dataflow measured fastest
         for this layer by :func:`numba_sc.choose_dataflow`, else the rule of thumb
-        of :mod:`numba_sc.dataflows.choice`. All give the same output up to float rounding.
+        of :mod:`numba_sc.dataflows.choice` (on the reference backend, always
+        ``"gmas"``, so that a result never depends on what ran before). All give the
+        same output up to float rounding.
 
     Returns a :class:`SparseTensor` on the output coordinates with the output
     tensor stride, its ``kernel_map`` set to the map used (for a transposed
