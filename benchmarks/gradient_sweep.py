@@ -18,6 +18,7 @@ Needs the GPU machine with CuPy, PyTorch and spconv::
     . benchmarks/gpu_env.sh
     python3 benchmarks/gradient_sweep.py --out $OUT/gradient_sweep.json
     python3 benchmarks/gradient_sweep.py --clouds kitti_32beam_0.1 --out x.json
+    python3 benchmarks/gradient_sweep.py --merge a.json b.json --out results/gradient_sweep.json
 
 The clouds (20 by default, :data:`CLOUDS`): the three shared scans at 0.05, 0.1 and 0.2 m;
 their 20k-voxel crops; SemanticKITTI with every other laser ring ("32 beams") at 0.1 and
@@ -244,6 +245,54 @@ def summary_line(rec):
     return f"{rec['cloud']:<26} {rec['voxels']:>7}  {cells}" + ("" if flips is None else f"  flips={flips}")
 
 
+def first_drift(rec, path, threshold=1e-4):
+    """The first parameter, walking the network from its output back (the order the
+    backward pass reaches them), whose distance on ``path`` passes ``threshold``."""
+    for p in reversed(rec["report"]["parameters"]):
+        if p["distance"][path] > threshold:
+            return p["name"]
+    return None
+
+
+def summarize(runs):
+    """One row per cloud: each path's distance over all parameters, the farther of spconv's
+    two algorithms, whether ours (the GPU, float32) is no farther from float64 than that,
+    the ReLU masks ours' forward flipped, and where each path's gradient first drifts past
+    1e-4 walking back from the output."""
+    rows = []
+    for rec in runs:
+        if "report" not in rec:
+            continue
+        t = rec["report"]["total"]
+        farther = max(t["spconv Native"], t["spconv MaskImplicitGemm"])
+        rows.append({"cloud": rec["cloud"], "voxels": rec["voxels"], "total": t, "spconv_farther": farther,
+                     "ours_within_spconv": t["cuda float32"] <= farther,
+                     "ours_over_spconv_farther": t["cuda float32"] / farther,
+                     "relu_flips_cuda_float32": rec.get("relu_flips_cuda_float32"),
+                     "first_drift": {k: first_drift(rec, k) for k in t}})
+    within = sum(r["ours_within_spconv"] for r in rows)
+    return {"clouds": len(rows), "ours_within_spconv": within, "rows": rows}
+
+
+def merge(files, out):
+    """The runs of several sweep files in one (the first run of each cloud; later runs of
+    a cloud go to ``repeats``: spconv's algorithms sum with atomics, so their distances
+    move between runs, while ours repeat to the bit), with :func:`summarize`."""
+    merged = {"recorded": [], "runs": [], "repeats": []}
+    seen = set()
+    for f in files:
+        d = json.loads(Path(f).read_text())
+        merged["recorded"].append(d["recorded"])
+        for r in d["runs"]:
+            (merged["repeats"] if r["cloud"] in seen else merged["runs"]).append(r)
+            seen.add(r["cloud"])
+    merged["summary"] = summarize(merged["runs"])
+    tmp = Path(str(out) + ".tmp")
+    tmp.write_text(json.dumps(merged, indent=1))
+    tmp.replace(out)
+    return merged
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--clouds", default=",".join(CLOUDS))
@@ -252,8 +301,18 @@ def main(argv=None):
                     help="also run the float32 NumPy reference on clouds of at most this many voxels")
     ap.add_argument("--no-gpu", action="store_true",
                     help="a dry run without a GPU: the float32 reference against float64 only")
+    ap.add_argument("--merge", nargs="+", metavar="FILE",
+                    help="merge these sweep files into --out (with the summary) and exit")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.merge:
+        m = merge(args.merge, args.out)
+        for r in m["summary"]["rows"]:
+            print(f"{r['cloud']:<26} ours/farther spconv {r['ours_over_spconv_farther']:5.2f}  "
+                  f"flips {r['relu_flips_cuda_float32']}")
+        print(f"ours no farther than the farther spconv on {m['summary']['ours_within_spconv']} of "
+              f"{m['summary']['clouds']} clouds")
+        return
     data = find_data(args.data)
     names = [c for c in args.clouds.split(",") if c]
     out = {"recorded": recorded(), "runs": []}
