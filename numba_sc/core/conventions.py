@@ -225,8 +225,11 @@ def as_int_tuple(value, name: str, *, minimum: int = 1) -> tuple[int, int, int]:
             vals = tuple(int(v) for v in value)
         except TypeError:
             raise TypeError(f"{name} must be an int or a sequence of 3 ints, got {value!r}") from None
-        if len(vals) != 3 or any(float(v) != int(v) for v in value):
+        if len(vals) != 3:
             raise ValueError(f"{name} must be an int or a sequence of 3 ints, got {value!r}")
+        if any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) for v in value):
+            # 3.0 and True are not sizes: a float or a bool here is a mistake somewhere upstream
+            raise TypeError(f"{name} must be an int or a sequence of 3 ints, got {value!r}")
     if any(v < minimum for v in vals):
         raise ValueError(f"{name} must be >= {minimum} on every axis, got {value!r}")
     return vals

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.conventions import whole_number
+from ..core.conventions import positive_int, whole_number
 from .layers import (BatchNorm, Identity, Linear, Module, ReLU, Sequential, SparseConv3d,
                  SparseInverseConv3d, SubMConv3d, cat)
 
@@ -107,7 +107,7 @@ class SparseResNet21(Module):
         super().__init__()
         rng = _weights_rng(seed)
         cs = _channels([16, 32, 64, 128], width)
-        self.in_channels = int(in_channels)
+        self.in_channels = positive_int(in_channels, "in_channels")
         stages = []
         c = self.in_channels
         for out, stride in zip(cs, (1, 2, 2, 2)):
@@ -133,7 +133,8 @@ class MinkUNet42(Module):
         super().__init__()
         rng = _weights_rng(seed)
         cs = _channels([32, 32, 64, 128, 256, 256, 128, 96, 96], width)
-        self.in_channels, self.num_classes = int(in_channels), int(num_classes)
+        self.in_channels = positive_int(in_channels, "in_channels")
+        self.num_classes = positive_int(num_classes, "num_classes")
         self.stem = Sequential(SubMConv3d(in_channels, cs[0], 3, rng=rng), BatchNorm(cs[0]), ReLU(),
                                SubMConv3d(cs[0], cs[0], 3, rng=rng), BatchNorm(cs[0]), ReLU())
         for i in range(4):  # stage i+1: down to stride 2^(i+1), then two residual blocks
