@@ -196,3 +196,16 @@ def random_bn(model, rng):
         bn.running_var = rng.uniform(0.5, 2.0, c).astype(np.float32)
     if hasattr(model, "classifier"):
         model.classifier.bias = rng.uniform(-0.1, 0.1, model.classifier.out_features).astype(np.float32)
+
+
+def check_case(call, expected):
+    """One line of an edge table (tests/test_edges*.py): ``expected`` is ``(exception class,
+    regex of its message)`` that ``call()`` must raise, or a function of ``call()``'s result
+    that must be true."""
+    import pytest
+
+    if isinstance(expected, tuple):
+        with pytest.raises(expected[0], match=expected[1]):
+            call()
+    else:
+        assert expected(call())
