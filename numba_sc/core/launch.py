@@ -60,6 +60,56 @@ def _numba_stream(ptr):
     return _EXTERNAL_STREAMS[ptr]
 
 
+def lock_simulator_shared_arrays() -> bool:
+    """Make Numba's CUDA simulator hand every thread of a block the same shared array.
+
+    The simulator runs each CUDA thread as a Python thread, and a block's
+    ``cuda.shared.array`` is made by whichever thread reaches the line first: it
+    looks the line up in a dict and, finding nothing, stores a new array, with no
+    lock between the look-up and the store. Two threads that reach the line together
+    (likelier with :data:`SIMULATOR_SWITCH_INTERVAL`'s short switches) each make an
+    array; the one whose array is overwritten writes where no other thread reads,
+    and the others read ``np.empty``'s garbage there (seen once in CI: the scan of
+    :func:`numba_sc.map.sorting.unique_one_block` indexed with 9212968597772586325).
+    This puts the look-up and the store under one lock. It replaces a method of the
+    simulator's private ``kernelapi.FakeCUDAShared`` and reproduces its rule for
+    telling arrays apart (the calling file and line); if a Numba release moves it,
+    nothing is replaced and this returns False (``tests/core/test_launch.py`` fails
+    loudly then). Returns whether the lock is in place."""
+    try:
+        from numba.cuda.simulator import kernelapi
+
+        shared = kernelapi.FakeCUDAShared
+        original = shared.array
+        types, numpy_support = kernelapi.types, kernelapi.numpy_support  # the simulator's own
+    except (ImportError, AttributeError):
+        return False
+    if getattr(original, "numba_sc_locked", False):
+        return True
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None or shape == 0:  # refused, or the one dynamic buffer: no look-up
+            return original(self, shape, dtype, alignment)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        caller = sys._getframe(1)  # the kernel's line: one array per call site, as the simulator keys them
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        with lock:
+            made = self._allocations.get(key)
+            if made is None:
+                made = self._allocations[key] = np.empty(shape, dtype)
+        return made
+
+    array.numba_sc_locked = True
+    shared.array = array
+    return True
+
+
+if simulating():
+    lock_simulator_shared_arrays()
+
+
 def launch(kernel, n: int, *args, threads: int = THREADS, blocks: int | None = None):
     """Launch ``kernel`` with one thread per element of an ``n``-element range.
 

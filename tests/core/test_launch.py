@@ -104,3 +104,41 @@ def test_raw_driver_launch_matches_dispatcher(monkeypatch, raw):
             expect = (a[:, 0].astype(np.int64) * 3 + a[:, 1] + b - 3).get()
             np.testing.assert_array_equal(part.get(), expect)
     assert (big[:1000].get() == -1).all() and (big[4000:].get() == -1).all()
+
+
+def test_simulator_threads_of_a_block_share_one_shared_array():
+    """Numba's simulator makes a block's shared array in the first thread to reach the
+    line, with no lock between its look-up and its store: two threads arriving together
+    each made an array, and a thread wrote where nobody read (CI, 2026-11-27). Made
+    certain here: the look-up is slowed so that every thread arrives before any store;
+    with the lock, they all still get the very same array."""
+    import threading
+    import time
+
+    from numba.cuda.simulator import kernelapi
+
+    from numba_sc.core.launch import lock_simulator_shared_arrays
+
+    assert lock_simulator_shared_arrays(), "numba's simulator moved FakeCUDAShared.array: update core/launch.py"
+
+    class SlowLookUp(dict):
+        def get(self, key, default=None):
+            found = super().get(key, default)
+            time.sleep(0.01)  # between the look-up and the store: every thread looks before any stores
+            return found
+
+    shared = kernelapi.FakeCUDAShared(0)
+    shared._allocations = SlowLookUp()
+    got, start = [], threading.Barrier(8)
+
+    def thread():
+        start.wait()
+        got.append(shared.array(16, np.int64))  # one call site, as in a kernel (kept: ids of freed arrays repeat)
+
+    threads = [threading.Thread(target=thread) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    arrays = {id(a) for a in got}
+    assert len(got) == 8 and len(arrays) == 1, f"{len(arrays)} different arrays for one block"
