@@ -249,7 +249,14 @@ def _run(args, argv):
                 _output_file(getattr(args, option), f"--{option}")
         return _train_dataset(args, sys.argv[1:] if argv is None else argv) if args.epochs else _train(args)
     if args.command == "book":
+        from .tools import book as book_module
         from .tools.book import main as book
+
+        if not any(book_module.NOTEBOOK_DIR.glob("*.ipynb")):
+            print(f"numba-sc book: no notebooks in {book_module.NOTEBOOK_DIR}: the book is built from a clone "
+                  "of the repository (notebooks/, docs/), not from an installed package; run it in a clone",
+                  file=sys.stderr)
+            return 2
 
         return book(args.out, args.jobs, args.only, execute=not args.no_execute)
     return 2
@@ -257,8 +264,16 @@ def _run(args, argv):
 
 def _figures(args):
     """Check (or, with --update, rewrite) the figures the prose quotes (numba_sc.tools.results)."""
+    from .tools import results
     from .tools.results import check_prose, update_prose
 
+    if not results.RESULTS_DIR.is_dir() or not (results.ROOT / "README.md").is_file():
+        # An installed wheel holds the engine, not the repository's prose and results:
+        # checking nothing must not read as "every figure is right".
+        print(f"numba-sc figures: no numba-sc checkout here (no {results.RESULTS_DIR} or "
+              f"{results.ROOT / 'README.md'}): it checks a clone's prose against its benchmarks/results/; "
+              "run it in a clone of the repository", file=sys.stderr)
+        return 2
     if args.update:
         for change in update_prose():
             print(f"updated {change}")

@@ -225,3 +225,23 @@ def test_edge(call, expected, d):
             call(d)
     else:
         assert expected(call(d))
+
+
+def test_figures_and_book_outside_a_checkout(tmp_path, monkeypatch, capsys):
+    """From an installed wheel there is no prose, no results and no notebooks beside the
+    package: `figures` once said "every quoted figure is the recorded one" after checking
+    0 files, and `book` failed with a traceback (#34). Both now say why on one line, exit 2."""
+    from numba_sc.__main__ import main
+    from numba_sc.tools import book, results
+
+    monkeypatch.setattr(results, "ROOT", tmp_path)
+    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path / "benchmarks" / "results")
+    assert main(["figures"]) == 2
+    out, err = capsys.readouterr()
+    assert "every quoted figure" not in out
+    assert len(err.strip().splitlines()) == 1 and "no numba-sc checkout here" in err, err
+    monkeypatch.setattr(book, "NOTEBOOK_DIR", tmp_path / "notebooks")
+    assert main(["book", "--out", str(tmp_path / "book")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "no notebooks in" in err, err
+    assert not (tmp_path / "book").exists()
