@@ -39,16 +39,14 @@ def _checking():
 
 
 def _output_file(path, option):
-    """Refuse, before any work, an output path that cannot be written: its folder is
-    missing or read-only, or the path is a folder. Returns the path (a Path)."""
-    path = Path(path)
-    folder = path.parent
-    if path.is_dir():
-        raise UserMistake(f"{option} {path} is a folder; give a file name inside it, e.g. {path / 'run.json'}")
-    if not folder.is_dir():
-        raise UserMistake(f"{option} {path}: the folder {folder} does not exist; create it first "
-                          f"(mkdir -p {folder}) or give a path in an existing folder")
-    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    """Refuse, before any work, an output path that cannot be written
+    (:func:`numba_sc.core.files.check_writable`), or an existing file there that may
+    not be replaced. Returns the path (a Path)."""
+    from .core.files import check_writable
+
+    with _checking():
+        path = check_writable(path, option)
+    if path.exists() and not os.access(path, os.W_OK):
         raise UserMistake(f"{option} {path}: cannot write there (no permission); give a path you can write")
     return path
 

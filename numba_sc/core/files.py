@@ -31,17 +31,20 @@ os.umask(_UMASK)
 
 
 def check_writable(path, name: str = "path") -> Path:
-    """Raise before any work when ``path`` cannot be written: its folder missing, or
-    ``path`` a folder. ``name`` is the argument (or option) to name in the message."""
+    """Raise before any work when ``path`` cannot be written: its folder missing or not
+    writable, or ``path`` a folder. ``name`` is the argument (or option) to name in
+    the message. The one check of an output path: the library's writers and the
+    command line's options (``--out``, ``--save``, ``--log``) both call it."""
     path = Path(os.fspath(path))
     folder = path.parent
     if path.is_dir():
-        raise IsADirectoryError(f"{name}: {path} is a folder; give a file name inside it, e.g. {path / 'run.npz'}")
+        raise IsADirectoryError(f"{name} {path} is a folder; give a file name inside it, e.g. {path / 'run.npz'}")
     if not folder.is_dir():
-        raise FileNotFoundError(f"{name}: the folder {folder} does not exist; create it first "
-                                f"(mkdir -p {folder}) or write elsewhere")
-    if not os.access(folder, os.W_OK):
-        raise PermissionError(f"{name}: cannot write in {folder}; choose a folder you can write to")
+        raise FileNotFoundError(f"{name} {path}: the folder {folder} does not exist; create it first "
+                                f"(mkdir -p {folder}) or give a path in an existing folder")
+    if not os.access(folder, os.W_OK | os.X_OK):  # (a new file in a folder needs both)
+        raise PermissionError(f"{name} {path}: cannot write in {folder} (no permission); choose a folder you can "
+                              "write to")
     return path
 
 
