@@ -209,3 +209,29 @@ def check_case(call, expected):
             call()
     else:
         assert expected(call())
+
+
+class Stopped(Exception):
+    """Stands for a run stopped (killed, crashed) right after a checkpoint was written."""
+
+
+def stop_after_first_checkpoint(main, argv, monkeypatch):
+    """Run the command line ``main(argv)`` (``numba-sc train ... --save``) until it has
+    written its first checkpoint, and stop it there, as a kill would: what a later
+    ``--resume`` starts from."""
+    import pytest
+
+    from numba_sc.train import run
+
+    save = run.save
+
+    def save_then_stop(state, path):
+        save(state, path)
+        raise Stopped
+
+    monkeypatch.setattr(run, "save", save_then_stop)
+    try:
+        with pytest.raises(Stopped):
+            main(argv)
+    finally:
+        monkeypatch.undo()

@@ -12,6 +12,7 @@ from numba_sc.train.labels import IGNORE_INDEX, learning_map
 from numba_sc.train.trainer import Trainer
 
 from conftest import DATA_DIR, load_scan
+from helpers import stop_after_first_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -158,10 +159,6 @@ def test_a_resumed_amp_run_has_the_losses_and_scales_of_an_uninterrupted_one(cro
 
 
 @OVERFLOW
-class _Stopped(Exception):
-    """Stands for a run stopped (killed, crashed) right after a checkpoint was written."""
-
-
 def test_the_command_trains_with_amp_and_resumes_only_with_it(crops, tmp_path, capsys, monkeypatch):
     from numba_sc.__main__ import main
     from numba_sc.train import run as tr
@@ -172,16 +169,7 @@ def test_the_command_trains_with_amp_and_resumes_only_with_it(crops, tmp_path, c
     ckpt = tmp_path / "run.npz"
     argv = ["train", "--data", str(tmp_path), "--batch-size", "2", "--width", "0.125", "--workers", "0",
             "--save", str(ckpt), "--epochs", "2", "--amp"]
-    save = tr.save
-
-    def save_then_stop(state, path):
-        save(state, path)
-        raise _Stopped
-
-    monkeypatch.setattr(tr, "save", save_then_stop)
-    with pytest.raises(_Stopped):  # a run of two epochs, stopped after the first one's checkpoint
-        main(argv)
-    monkeypatch.undo()
+    stop_after_first_checkpoint(main, argv, monkeypatch)  # a run of two epochs, stopped after its first checkpoint
     assert "mixed precision" in capsys.readouterr().out
     saved = load(ckpt)
     assert saved["settings"]["amp"] is True and saved["amp"]["scale"] > 0

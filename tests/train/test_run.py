@@ -11,6 +11,7 @@ from numba_sc.train import run as tr
 from numba_sc.train.labels import IGNORE_INDEX, learning_map
 
 from conftest import DATA_DIR, load_scan
+from helpers import stop_after_first_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -77,26 +78,13 @@ def test_prepare_scan_leaves_position_out_and_augments_reproducibly(folder):
     np.testing.assert_allclose(v.features[row], [points[same, 3].mean(), points[same, 2].mean()], rtol=1e-5)
 
 
-class _Stopped(Exception):
-    """Stands for a run stopped (killed, crashed) right after a checkpoint was written."""
-
-
 def test_the_command_trains_saves_resumes_and_logs(folder, tmp_path, capsys, monkeypatch):
     from numba_sc.__main__ import main
 
     ckpt, log = tmp_path / "run.npz", tmp_path / "run.json"
     argv = ["train", "--data", str(folder), "--batch-size", "2", "--width", "0.125", "--workers", "1",
             "--save", str(ckpt), "--log", str(log), "--eval", str(folder), "--log-every", "1", "--epochs", "2"]
-    save = tr.save
-
-    def save_then_stop(state, path):
-        save(state, path)
-        raise _Stopped
-
-    monkeypatch.setattr(tr, "save", save_then_stop)
-    with pytest.raises(_Stopped):  # the run of two epochs, stopped after the first one's checkpoint
-        main(argv)
-    monkeypatch.undo()
+    stop_after_first_checkpoint(main, argv, monkeypatch)  # the run of two epochs, stopped after its first checkpoint
     out = capsys.readouterr().out
     assert "scans/s" in out and "held-out accuracy" in out and ckpt.exists() and not log.exists()
     assert main(argv + ["--resume", str(ckpt)]) == 0
