@@ -77,9 +77,8 @@ def _check_args(points, voxel_size, features, reduce):
         raise TypeError(f"points must be float32 or float64, got dtype {points.dtype}")
     if points.shape[0] == 0:
         raise ValueError("points is empty: there is nothing to voxelize")
-    sizes = voxel_size if isinstance(voxel_size, (list, tuple, np.ndarray)) else [voxel_size]
     if any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating))
-           for v in np.asarray(sizes, dtype=object).reshape(-1)):
+           for v in np.asarray(voxel_size, dtype=object).reshape(-1)):  # one size or three, each a number
         raise TypeError(f"voxel_size must be a positive finite number or 3 of them (metres), got {voxel_size!r}")
     vs = np.asarray(voxel_size, dtype=np.float64).reshape(-1)
     if vs.size == 1:

@@ -200,9 +200,16 @@ def check_finite_points(points, name: str = "points"):
             "drop them first, e.g. points[np.isfinite(points).all(axis=1)]")
 
 
+def is_int(value) -> bool:
+    """A whole number given as one: a Python or NumPy int, not a bool (``True`` is an
+    int to Python, never a count here), not a float (``2.0``), not an array. The test
+    behind every count, index, seed and size argument."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def positive_int(value, name: str) -> int:
     """A size argument (channels, features): a positive int, not a float, a bool or an array."""
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)
 
@@ -210,7 +217,7 @@ def positive_int(value, name: str) -> int:
 def whole_number(value, name: str, minimum: int = 0) -> int:
     """A count, an index or a seed: an int >= ``minimum``. A bool, a float (even 2.0) or an
     array is refused rather than read as a number: each is a guess at what was meant."""
-    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{name} must be a whole number >= {minimum} (an int, not a bool or a float), "
                          f"got {value!r}")
     return int(value)
@@ -218,7 +225,7 @@ def whole_number(value, name: str, minimum: int = 0) -> int:
 
 def as_int_tuple(value, name: str, *, minimum: int = 1) -> tuple[int, int, int]:
     """``3`` -> ``(3, 3, 3)``; ``(1, 3, 1)`` stays; anything else raises."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+    if is_int(value):
         vals = (int(value),) * 3
     else:
         try:
@@ -227,7 +234,7 @@ def as_int_tuple(value, name: str, *, minimum: int = 1) -> tuple[int, int, int]:
             raise TypeError(f"{name} must be an int or a sequence of 3 ints, got {value!r}") from None
         if len(vals) != 3:
             raise ValueError(f"{name} must be an int or a sequence of 3 ints, got {value!r}")
-        if any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) for v in value):
+        if not all(is_int(v) for v in value):
             # 3.0 and True are not sizes: a float or a bool here is a mistake somewhere upstream
             raise TypeError(f"{name} must be an int or a sequence of 3 ints, got {value!r}")
     if any(v < minimum for v in vals):

@@ -80,7 +80,7 @@ def as_rng(rng, draws=(), name="rng"):
         return rng
     if rng is None:
         return np.random.default_rng()
-    if isinstance(rng, (int, np.integer)) and not isinstance(rng, (bool, np.bool_)):
+    if cv.is_int(rng):
         if rng < 0:
             raise ValueError(f"{name}: a seed must be an integer >= 0, got {rng}")
         return np.random.default_rng(int(rng))

@@ -219,8 +219,7 @@ class ScanFolder:
         wanted = []
         for s in sequences:
             # 8.0 and True are not sequence numbers: refused, not read as 08 and 01
-            whole = isinstance(s, (int, np.integer)) and not isinstance(s, (bool, np.bool_)) and s >= 0
-            if not (whole or isinstance(s, str) and s.strip().isdigit()):
+            if not (cv.is_int(s) and s >= 0 or isinstance(s, str) and s.strip().isdigit()):
                 raise ValueError(f"sequences must be whole numbers such as 8 or '08', got {s!r}")
             wanted.append(f"{int(s):02d}")
         missing = [s for s in wanted if s not in present]

@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.backend import to_host
+from ..core.conventions import is_int
 
 IGNORE_INDEX = 255
 
@@ -290,7 +291,7 @@ def check_classes(classes, num_classes, name="classes") -> list[int]:
     ids = list(classes)
     if not ids:
         raise ValueError(f"{name} is empty: name at least one class id to score")
-    bad = [c for c in ids if isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer))]
+    bad = [c for c in ids if not is_int(c)]
     if bad:
         raise TypeError(f"{name} must hold int class ids, got {bad[:5]!r}; a class id is whole "
                         f"(write 3, not 3.0 or True)")

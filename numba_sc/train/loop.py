@@ -30,9 +30,8 @@ from . import labels as lb
 from .tape import Tape
 from ..core.device import gpu_present, simulating
 from ..core.backend import resolve_backend, to_device, to_host
-from ..core.conventions import whole_number
+from ..core.conventions import check_finite_points, whole_number
 from .loss import cross_entropy
-from ..core.conventions import check_finite_points
 from ..core.tensor import SparseTensor
 from ..coords.voxelization import voxelize
 

@@ -66,6 +66,7 @@ import numpy as np
 
 from ..core.device import array_module, is_cupy
 from ..core.backend import like, to_host
+from ..core.conventions import is_int
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
@@ -86,7 +87,7 @@ def _checked_step(v, name) -> int:
     """A saved step count: a whole number >= 0 (an int, a NumPy integer or a 0-d one)."""
     if isinstance(v, np.ndarray) and v.ndim == 0:
         v = v[()]
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
+    if not is_int(v) or v < 0:
         raise ValueError(f"state 'step' of {name!r} must be a whole number >= 0 (the steps taken), got {v!r}")
     return int(v)
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import time
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +48,7 @@ from .checkpoint import load, save
 from .loop import evaluate, predict
 from .trainer import Trainer
 from ..core.backend import to_device
-from ..core.conventions import whole_number
+from ..core.conventions import is_int, whole_number
 from ..core.files import atomic_write, write_text
 from ..core.device import gpu_present, simulating
 from ..core.tensor import SparseTensor
@@ -181,8 +180,7 @@ def read_checkpoint(path) -> dict:
         ckpt = load(path)
     except (FileNotFoundError, IsADirectoryError, ValueError):
         raise  # numba_sc.load names the file and says what it holds instead
-    except (zipfile.BadZipFile, EOFError, OSError, KeyError) as e:
-        # zipfile, NumPy and json each fail a damaged file in their own words: say what it means here
+    except OSError as e:  # (a file it may not read, say: load reports every damaged file itself)
         raise ValueError(f"{path} cannot be read as a numba-sc checkpoint ({type(e).__name__}: {e}); it is cut "
                          "short or another kind of file: resume from a checkpoint numba-sc train --save "
                          "wrote") from e
@@ -191,7 +189,7 @@ def read_checkpoint(path) -> dict:
             raise ValueError(f"{path} is a checkpoint but not of a training run (no {key!r}); write one with "
                              "numba-sc train --save")
     done = ckpt["epochs_done"]
-    if isinstance(done, (bool, np.bool_)) or not isinstance(done, (int, np.integer)) or done < 0:
+    if not is_int(done) or done < 0:
         raise ValueError(f"{path}: epochs_done must be a whole number >= 0, got {done!r}")
     if not isinstance(ckpt.get("settings", {}), dict):
         raise ValueError(f"{path}: settings must be a dict, got {type(ckpt['settings']).__name__}")
