@@ -337,9 +337,10 @@ def _other_dataflow(flow, f, w, km, transposed, init, centre, bk):
     return implicit_gemm_cuda(f, w, table, plan, init)
 
 
-def _pick_dataflow(dataflow, layer, f, w, km, transposed, training, map_given, centre):
+def _pick_dataflow(dataflow, layer, f, w, km, transposed, training, map_given, centre, backend=None):
     """The ``dataflow`` argument -> "gmas" | "fetch" | "implicit" (see :mod:`numba_sc.dataflows.choice`).
-    ``centre``: the map's submanifold centre (-1 for a strided map, read backwards or not)."""
+    ``centre``: the map's submanifold centre (-1 for a strided map, read backwards or not).
+    ``backend``: the layer's; None asks for the rule's answer whatever runs it."""
     ch.check_dataflow(dataflow)
     if training:  # the backward pass reads the gmas buffers
         if dataflow not in ("gmas", "auto"):
@@ -348,6 +349,12 @@ def _pick_dataflow(dataflow, layer, f, w, km, transposed, training, map_given, c
         return "gmas"
     if dataflow != "auto":
         return dataflow
+    if backend == "reference":
+        # The reference answers the same whatever ran before: no rule that turns on
+        # whether the map was given (a network's second call on a tensor reuses the maps
+        # of its first) may pick another summation order there. Timing means nothing in
+        # NumPy, so "auto" is the paper's dataflow; a named one runs as named (above).
+        return "gmas"
     c_in, c_out = w.shape[1], w.shape[2]
     if not ch.measured_dataflows() and (c_in > ch.MID_CHANNELS or c_out > ch.MID_CHANNELS):
         return "gmas"  # the rule's answer for wide layers, without counting anything (every layer asks)
@@ -451,16 +458,8 @@ def convolve(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False, k
             # while the host works out the buffer layout in Python.
             init = gg.centre_product_cuda(f, w, centre)
     strided = tuple(km.stride) != (1, 1, 1)
-    if bk == "reference" and dataflow == "auto":
-        # The reference answers the same whatever ran before: no rule that turns on
-        # whether the map was given (a network's second call on a tensor reuses the maps
-        # of its first) may pick another summation order there. Timing means nothing in
-        # NumPy, so "auto" is the paper's dataflow; a named one still runs as named.
-        ch.check_dataflow(dataflow)
-        flow = "gmas"
-    else:
-        flow = _pick_dataflow(dataflow, layer, f, w, km, transposed, keep_buffer is not None,
-                              kernel_map is not None, centre)
+    flow = _pick_dataflow(dataflow, layer, f, w, km, transposed, keep_buffer is not None, kernel_map is not None,
+                          centre, bk)
     if flow != "gmas":
         out = _other_dataflow(flow, f, w, km, transposed, init, centre, bk)
         return _result(x, km, out, transposed, strided)
