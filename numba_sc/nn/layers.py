@@ -187,19 +187,15 @@ class Module:
             m._name = path or type(self).__name__
             m._path = path
 
-    def param_name(self, param: str) -> str:
-        """The name of parameter ``param`` of this layer as :meth:`named_parameters` of the
-        network it runs in gives it (``"stem.0.weight"``; ``"weight"`` for a layer run on
-        its own): the key of its gradient in :meth:`numba_sc.nn.Tape.backward`'s result."""
-        return f"{self._path}.{param}" if self._path else param
-
     def grad_names(self) -> dict:
-        """``{parameter: its gradient's name}``: the name :meth:`named_parameters` of the
-        network being called gives it, which is what an optimizer built on that network
-        holds. Not :meth:`param_name`: a layer may sit in several networks
-        (``Sequential(a, b)`` and ``Sequential(b, a)``) and keeps the names of the one
-        that named it first. Taken when the layer records its backward step, which runs
-        later, maybe after another network has been called."""
+        """``{parameter: its gradient's name}``, the keys of its gradients in
+        :meth:`numba_sc.nn.Tape.backward`'s result: the names :meth:`named_parameters` of
+        the network being called gives them (``"stem.0.weight"``; ``"weight"`` for a layer
+        run on its own), which is what an optimizer built on that network holds. Not the
+        layer's own path: a layer may sit in several networks (``Sequential(a, b)`` and
+        ``Sequential(b, a)``) and keeps the names of the one that named it first. Taken
+        when the layer records its backward step, which runs later, maybe after another
+        network has been called."""
         paths = _PATHS.get()
         path = paths.get(id(self), self._path) if paths is not None else self._path
         return {p: f"{path}.{p}" if path else p for p in self._params}
@@ -325,11 +321,11 @@ class Module:
             raise TypeError(f"layer {self.name!r} ({type(self).__name__}): x must be a numba_sc.SparseTensor "
                             f"(coordinates and features), got {type(x).__name__}; make one with "
                             "numba_sc.SparseTensor(coords, features)")
-        if not _RUNNING.get():  # the network's call: float64 refused before any map is built
-            bk = resolve_backend(backend if backend is not None else _BACKEND.get())
-            cv.check_backend_dtype(x.features.dtype, bk, "x's features")
-        token = _BACKEND.set(backend) if backend is not None else None
         outermost = not _RUNNING.get()  # the network's own call, not one of its layers'
+        if outermost:  # float64 refused before any map is built
+            cv.check_backend_dtype(x.features.dtype, resolve_backend(backend if backend is not None else
+                                                                     _BACKEND.get()), "x's features")
+        token = _BACKEND.set(backend) if backend is not None else None
         running = _RUNNING.set(True) if outermost else None
         # On a tape, each layer's gradients are named by its path in this network (a walk
         # over the modules, no arrays: cheap), whatever other networks hold the layer.
