@@ -20,6 +20,7 @@ __version__ = "0.1.0"  # the one place the version is written (pyproject.toml re
 
 from .core.device import gpu_present, simulating
 from .core.backend import resolve_backend
+from .core.state import clear_caches
 from .core.conventions import kernel_offsets, key_delta, pack_keys, unpack_keys
 from .gmas.autotune import TileChoice, heuristic_tile
 from .gmas.conv import autotune, choose_dataflow, sparse_conv3d
@@ -43,5 +44,5 @@ __all__ = [
     "kernel_offsets", "key_delta", "output_coordinates", "pack_keys", "padding_report",
     "resolve_backend", "simulating", "sparse_conv3d", "Trace", "trace", "unpack_keys", "voxelize",
     "models", "nn", "spconv_format", "choose_dataflow", "choose_map_method", "save", "load",
-    "check_gradients",
+    "check_gradients", "clear_caches",
 ]

@@ -34,41 +34,24 @@ every layer of that shape and size class runs fetch.
 """
 from __future__ import annotations
 
-import math
-import statistics
-import time
-from dataclasses import dataclass, field
-
 import numpy as np
 
+from ..core.measure import Choice, measure, size_class, wall_timer  # noqa: F401 (this module's names)
+from ..core.state import STATE
 from .implicit_gemm import library_rung
 
 DATAFLOWS = ("gmas", "fetch", "implicit")
 MAP_METHODS = ("sorted", "hash", "grid")
 
 
-@dataclass
-class Choice:
-    """A decision and where it came from."""
-
-    value: str
-    source: str  # "measured" | "rule"
-    timings: dict = field(default_factory=dict)  # candidate -> median seconds (measured only)
-
-
-_DATAFLOW: dict = {}
-_METHOD: dict = {}
+_DATAFLOW: dict = STATE.choices["dataflow"]  # the one record of measured choices (core.state)
+_METHOD: dict = STATE.choices["map_method"]
 
 
 def clear_choices():
     """Forget every measured dataflow and Map method."""
     _DATAFLOW.clear()
     _METHOD.clear()
-
-
-def size_class(n: int) -> int:
-    """Clouds whose sizes round to the same power of two share a choice."""
-    return int(round(math.log2(max(int(n), 1))))
 
 
 def dataflow_key(layer, c_in, c_out, kernel_volume, dtype, transposed, n_out):
@@ -178,31 +161,3 @@ def map_method_for(n_points, kernel_volume) -> str:
 
 def remember_map_method(n_points, kernel_volume, choice: Choice):
     _METHOD[method_key(n_points, kernel_volume)] = choice
-
-
-def wall_timer(fn) -> float:
-    """Seconds of one call of ``fn`` as a user meets it: wall clock between two
-    device-wide synchronizes (so the host's launches and every stream count)."""
-    import cupy
-
-    dev = cupy.cuda.Device()
-    dev.synchronize()
-    t = time.perf_counter()
-    fn()
-    dev.synchronize()
-    return time.perf_counter() - t
-
-
-def measure(candidates: dict, timer, rounds: int = 5, block: int = 3) -> dict:
-    """Median seconds of each candidate ``name -> fn``: ``rounds`` interleaved rounds,
-    each a block of calls whose first is not kept (cold host caches), so that a
-    slow moment of a shared GPU costs every candidate alike."""
-    times = {name: [] for name in candidates}
-    for fn in candidates.values():  # compile and warm every candidate first
-        fn()
-    for r in range(rounds):
-        names = list(candidates) if r % 2 == 0 else list(candidates)[::-1]
-        for name in names:
-            candidates[name]()
-            times[name].extend(timer(candidates[name]) for _ in range(block))
-    return {name: statistics.median(t) for name, t in times.items()}
