@@ -7,9 +7,9 @@ method, which tile size a layer should use) and switches read from the
 environment (``NUMBA_SC_TENSOR_CORES``). All of them hang off :data:`STATE`:
 
 * ``STATE.choices`` holds the measured decisions, one dict per kind
-  (``"dataflow"``, ``"map_method"``): what ``numba_sc.choose_dataflow`` and
-  ``numba_sc.choose_map_method`` found, read back by ``dataflow="auto"`` and
-  ``method="auto"``;
+  (``"dataflow"``, ``"map_method"``, ``"tile"``): what ``numba_sc.choose_dataflow``,
+  ``numba_sc.choose_map_method`` and ``numba_sc.autotune`` found, read back by
+  ``dataflow="auto"``, ``method="auto"`` and ``tile_size=None``;
 * ``STATE.switches`` holds the switches, read from the environment once (and
   again after a reset);
 * every other cache is registered with :func:`cached` (a function memo, like
@@ -42,7 +42,7 @@ class State:
     """The library's memory: measured choices, switches and registered caches."""
 
     def __init__(self):
-        self.choices: dict = {"dataflow": {}, "map_method": {}}
+        self.choices: dict = {"dataflow": {}, "map_method": {}, "tile": {}}
         self.switches: dict = {}
         self.caches: list = []  # functions with cache_clear(), dicts and lists with clear()
 
