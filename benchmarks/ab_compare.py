@@ -14,7 +14,9 @@ all alike; the medians over all rounds are compared. The package imports itself 
 (``base_sc``): all its imports are relative, so the copy is self-contained.
 
 Workloads, on SemanticKITTI at 0.05 m and on 1M random voxels in a 400^3 box:
-the Map step (``assume_sorted=True``, as a layer calls it, and the default call
+with ``--nets``, the paper's two networks (SparseResNet21, MinkUNet42) with the same
+weights in both packages, each call a whole forward pass on a tensor without maps;
+otherwise the Map step (``assume_sorted=True``, as a layer calls it, and the default call
 on sorted input) beside spconv's ``get_indice_pairs`` (subm), and a C -> C
 layer (``--channels``, default 64, ``--cout``; ``--dtype``, default fp32; Map + GMaS with
 the tiles ``--tiles``) beside spconv's ``SubMConv3d`` (Native and
@@ -43,6 +45,35 @@ def ours(pkg, coords, ch, dtype=np.float32, tiles=(8, 8), cout=None):
         "map default": lambda: pkg.build_kernel_map(x.coords, 3),
         f"layer {ch}->{cout}": lambda: pkg.sparse_conv3d(x, w, 3, tile_size=tiles),
     }
+
+
+def nets(packages, coords, dtype=np.float32):
+    """Both networks of the paper, one per package, with the same weights: the new
+    package's SparseResNet21 and MinkUNet42 (seed 0, 4 input channels, BatchNorm
+    statistics from one training-mode pass over this cloud with momentum 1), loaded
+    into each package's own model. A call runs the whole network on a tensor
+    without maps (every map built again), as bench_net.py times it."""
+    import cupy
+
+    feats = np.random.default_rng(1).standard_normal((len(coords), 4)).astype(np.float32)
+    calls = {}
+    for net in ("resnet21", "unet42"):
+        state = None
+        for pname, pkg in packages.items():
+            m = pkg.models.SparseResNet21(4) if net == "resnet21" else pkg.models.MinkUNet42(4, 19)
+            m = m.cuda()
+            if state is None:  # calibrate once, on the first package (the new one)
+                for bn in m.modules(pkg.nn.BatchNorm):
+                    bn.momentum = 1.0
+                m.train()
+                m(pkg.SparseTensor(cupy.asarray(coords), cupy.asarray(feats)))
+                state = m.state_dict()
+            m.load_state_dict(state)
+            m.eval()
+            m.to(np.dtype(dtype))
+            x = pkg.SparseTensor(cupy.asarray(coords), cupy.asarray(feats.astype(dtype)))
+            calls[(net, pname)] = (lambda m=m, x=x: m(x.without_maps()))
+    return calls
 
 
 def spconv_calls(coords, ch, dtype=np.float32, cout=None):
@@ -87,6 +118,8 @@ def main():
     ap.add_argument("--out", default="ab.json")
     ap.add_argument("--note", default="")
     ap.add_argument("--only", default="", help="keep the workloads whose name starts with this (e.g. map)")
+    ap.add_argument("--nets", action="store_true",
+                    help="time the two networks (both packages, same weights) instead of the Map step and one layer")
     args = ap.parse_args()
 
     tiles = tuple(int(t) for t in args.tiles.split(","))
@@ -101,13 +134,16 @@ def main():
     for cname in args.clouds.split(","):
         coords = makers[cname]()
         contenders = {}
-        for pname, pkg in packages.items():
-            for wname, fn in ours(pkg, coords, args.channels, np.dtype(args.dtype), tiles, args.cout).items():
-                contenders[(wname, pname)] = fn
-        try:
-            contenders.update(spconv_calls(coords, args.channels, np.dtype(args.dtype), args.cout))
-        except Exception as e:  # noqa: BLE001 - a missing peer: compare the two versions only
-            print(f"spconv not run: {type(e).__name__}: {e}")
+        if args.nets:
+            contenders = nets(packages, coords, np.dtype(args.dtype))
+        else:
+            for pname, pkg in packages.items():
+                for wname, fn in ours(pkg, coords, args.channels, np.dtype(args.dtype), tiles, args.cout).items():
+                    contenders[(wname, pname)] = fn
+            try:
+                contenders.update(spconv_calls(coords, args.channels, np.dtype(args.dtype), args.cout))
+            except Exception as e:  # noqa: BLE001 - a missing peer: compare the two versions only
+                print(f"spconv not run: {type(e).__name__}: {e}")
         contenders = {key: fn for key, fn in contenders.items() if key[0].startswith(args.only)}
         # A contender's first call after another one's runs on cold host caches (measured:
         # up to 50 % slower), so each gets a short block of calls, the first not kept. What
