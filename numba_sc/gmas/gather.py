@@ -19,7 +19,7 @@ Hence the autotuner (:mod:`numba_sc.gmas.autotune`) tries every divisor of C_in.
 
 Which entries: Algorithm 1 walks all K offsets of a dense table row, most of
 them empty on a sparse cloud. Here the metadata are compressed per point
-(:class:`numba_sc.gmas.metadata.PointLists`, PCEngine's idea, which the Minuet paper
+(:class:`numba_sc.gmas.layout.PointLists`, PCEngine's idea, which the Minuet paper
 names as orthogonal to its own): a bit mask of the point's offsets with a pair,
 whose set bits give the length of its list, and the list of rows. The thread
 reads the mask word, and then only the rows that exist.
@@ -84,7 +84,7 @@ from ..core.device import device_xp, simulating
 from ..core.backend import resolve_backend, to_device, to_host
 from ..core.launch import launch
 from ..core.rungs import Ladder, Rung
-from .metadata import as_point_lists
+from .layout import as_point_lists
 from ..core.words import as_words, row_words
 
 
@@ -154,7 +154,7 @@ def gather_v2(features, in_masks, buffered, in_slots, tile, buf):
     On a sparse cloud most entries of the table are -1 (27 x 1M entries for
     ~0.4M pairs on 1M random voxels), and v1's threads read all of them. Here a
     point's offsets with a pair are the set bits of its mask word(s), and its
-    rows are listed in ``in_slots[:, p]`` (:class:`numba_sc.gmas.metadata.PointLists`,
+    rows are listed in ``in_slots[:, p]`` (:class:`numba_sc.gmas.layout.PointLists`,
     PCEngine's compression, which Minuet names as combining with its own
     ideas): a thread reads one mask and then only the rows that exist.
     """
@@ -202,7 +202,7 @@ def gather_v3(tile: int, tiles: int, word=None):
     @cuda.jit
     def gather(features, in_masks, buffered, in_slots, buf):
         """Input p's rows are ``in_slots[:, p]``, one per set bit of ``in_masks[:, p] &
-        buffered``, in offset order (:class:`numba_sc.gmas.metadata.PointLists`)."""
+        buffered``, in offset order (:class:`numba_sc.gmas.layout.PointLists`)."""
         t = uint64(cuda.grid(1))
         if t < uint64(features.shape[0]) * per_row:
             p = t // per_row  # neighbouring threads take neighbouring tiles of one point:
@@ -241,7 +241,7 @@ def gather_cuda(features, in_lists, rows, tile, zero_padding=False):
     """Device version, the library's: one launch of :func:`gather_v4` (v4, or v3
     when a tile is not a whole number of words) for all offsets.
 
-    ``in_lists``: a plan's :class:`~numba_sc.gmas.metadata.PointLists` (``plan.in_lists``),
+    ``in_lists``: a plan's :class:`~numba_sc.gmas.layout.PointLists` (``plan.in_lists``),
     or a dense (|P|, K) input table, which is packed into lists first.
     ``zero_padding``: zero the padding rows (the weight gradient multiplies two
     buffers' padding rows together, where garbage could be NaN).

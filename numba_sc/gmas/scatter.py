@@ -12,7 +12,7 @@ One thread per (channel tile, output point), mirroring the gather: the thread
 owns its tile of its output, accumulates its partial results in registers and
 writes the tile once. No other thread touches that tile, so there are no atomics
 and the sum is taken in a fixed order (offset order: the order of the output's
-list, :class:`numba_sc.gmas.metadata.PointLists`): the result is deterministic, run
+list, :class:`numba_sc.gmas.layout.PointLists`): the result is deterministic, run
 after run. Sums are accumulated in fp32 also for fp16 data, and for fp16 features
 the buffer itself is float32 (:func:`numba_sc.gmas.gemm_grouping.product_dtype`: a
 partial product may pass fp16's range where the sum does not), so each output is
@@ -71,7 +71,7 @@ from ..core.backend import resolve_backend, to_device, to_host
 from ..core.launch import launch
 from ..core.rungs import Ladder, Rung
 from .gather import check_tile
-from .metadata import as_point_lists
+from .layout import as_point_lists
 from ..core.words import as_words, lane_codec, lanes, row_words
 
 
@@ -173,7 +173,7 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4):
     @cuda.jit
     def scatter(obuf, out_masks, buffered, out_slots, has_init, out):
         """Output q's rows are ``out_slots[:, q]``, one per set bit of ``out_masks[:, q] &
-        buffered``, in offset order (:class:`numba_sc.gmas.metadata.PointLists`)."""
+        buffered``, in offset order (:class:`numba_sc.gmas.layout.PointLists`)."""
         t = uint64(cuda.grid(1))
         if t < uint64(out.shape[0]) * per_row:
             q = t // per_row  # as in the gather: neighbouring threads, neighbouring tiles
@@ -219,7 +219,7 @@ def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=No
     """Device version: one launch of :func:`scatter_v4` (v4, or v3 when a tile is not a
     whole number of words).
 
-    ``out_lists``: a plan's :class:`~numba_sc.gmas.metadata.PointLists` (``plan.out_lists``),
+    ``out_lists``: a plan's :class:`~numba_sc.gmas.layout.PointLists` (``plan.out_lists``),
     or a dense (|Q|, K) output table, which is packed into lists first. When
     ``init`` (|Q|, C_out) is given it is used as the output array itself (summed
     into in place), saving a separate addition.

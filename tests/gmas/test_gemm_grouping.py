@@ -6,7 +6,7 @@ import pytest
 from numba_sc import SparseTensor, sparse_conv3d
 from numba_sc.core.backend import to_device, to_host
 from numba_sc.gmas.gemm_grouping import launch_rows, make_groups, offset_order, padding_report
-from numba_sc.gmas.metadata import build_plan
+from numba_sc.gmas.plan import build_plan
 
 
 def test_grouping_padding_by_hand():
