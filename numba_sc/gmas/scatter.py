@@ -60,16 +60,15 @@ when a centre product is added; an output without pairs is not touched).
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 from numba import cuda, float32, uint64
 
 from ..core import conventions as cv
 from ..core.device import device_xp
 from ..core.backend import resolve_backend, to_device, to_host
-from ..core.launch import launch
+from ..core.launch import THREADS, blocks_for, launch
 from ..core.rungs import Ladder, Rung
+from ..core.state import cached
 from .gather import check_tile
 from .layout import as_point_lists
 from ..core.words import as_words, lane_codec, lanes, row_words
@@ -143,7 +142,7 @@ def scatter_v2(obuf, out_masks, buffered, out_slots, tile, has_init, out):
             out[q, c] = acc
 
 
-@lru_cache(maxsize=None)
+@cached
 def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4):
     """v3 (``word=None``) and v4 (:func:`scatter_v4`): the scatter kernel compiled for one tile size and
     one number of tiles per row.
@@ -171,7 +170,7 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4):
     per_thread, per_row, n_u = np.uint64(tile), np.uint64(tiles), np.uint64(n_lanes)
 
     @cuda.jit
-    def scatter(obuf, out_masks, buffered, out_slots, has_init, out):
+    def scatter_v3_kernel(obuf, out_masks, buffered, out_slots, has_init, out):
         """Output q's rows are ``out_slots[:, q]``, one per set bit of ``out_masks[:, q] &
         buffered``, in offset order (:class:`numba_sc.gmas.layout.PointLists`)."""
         t = uint64(cuda.grid(1))
@@ -205,7 +204,7 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4):
                 for c in range(per_thread):
                     out[q, c0 + c] = packed(acc, c * n_u)  # the tile's only write: no atomics
 
-    return scatter
+    return scatter_v3_kernel
 
 
 def scatter_v4(tile: int, tiles: int, word=None, itemsize: int = 4):
@@ -256,16 +255,19 @@ def scatter_rung(rung: str, obuf, plan, init, tile):
     out = to_device(init).copy()
     n = out.shape[0] * (out.shape[1] // tile)
     lists = plan.out_lists
-    if rung == "v1":
-        launch(scatter_v1, n, obuf, to_device(plan.out_table), tile, True, out)
-    elif rung == "v2":
-        launch(scatter_v2, n, obuf, to_device(lists.masks), to_device(lists.buffered), to_device(lists.slots),
-               tile, True, out)
-    elif rung == "v3":
-        launch(scatter_v3(tile, out.shape[1] // tile, None, out.itemsize), n, obuf, to_device(lists.masks),
-               to_device(lists.buffered), to_device(lists.slots), True, out)
-    else:
+    if rung not in ("v1", "v2", "v3"):
         raise ValueError(f"rung must be one of {LADDER.names}, got {rung!r}")
+    if n == 0:  # (a launch needs a block)
+        return out
+    blocks = blocks_for(n, THREADS)
+    if rung == "v1":
+        scatter_v1[blocks, THREADS](obuf, to_device(plan.out_table), tile, True, out)
+    elif rung == "v2":
+        scatter_v2[blocks, THREADS](obuf, to_device(lists.masks), to_device(lists.buffered),
+                                    to_device(lists.slots), tile, True, out)
+    else:
+        scatter_v3(tile, out.shape[1] // tile, None, out.itemsize)[blocks, THREADS](
+            obuf, to_device(lists.masks), to_device(lists.buffered), to_device(lists.slots), True, out)
     return out
 
 
