@@ -30,7 +30,8 @@ from . import nn
 from .nn import models, spconv_format
 from .gmas.gemm_grouping import padding_report
 from .map.kernel_map import KernelMap, build_kernel_map, choose_map_method
-from .gmas.metadata import GmasPlan, build_plan, grouping_report
+from .gmas.layout import GmasPlan
+from .gmas.plan import build_plan, grouping_report
 from .coords.output_coords import output_coordinates
 from .tools.trace import Trace, trace
 from .tools.oracle import gradients as check_gradients

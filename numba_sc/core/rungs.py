@@ -192,7 +192,8 @@ class Context:
         pick), and, in the context's dtype, ``features`` (|P|, C), ``weight``
         (K, C, C) and ``init`` (|Q|, C) (a centre product to add onto)."""
         from ..gmas.autotune import heuristic_tile
-        from ..gmas.metadata import build_plan, submanifold_centre
+        from ..gmas.layout import submanifold_centre
+        from ..gmas.plan import build_plan
         from ..map.kernel_map import build_kernel_map
 
         def build():

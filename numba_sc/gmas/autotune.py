@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import numpy as np
 
+from ..core import state
 from ..core.device import device_xp
 from .gather import divisors, gather_cuda
 from .gemm_grouping import product_dtype
@@ -59,9 +59,6 @@ class TileChoice:
     timings: dict = field(default_factory=dict)  # {"gather": {T: s}, "scatter": {T: s}}
 
 
-_CACHE: dict = {}
-
-
 def layer_key(layer, c_in, c_out, kernel_volume, dtype, transposed):
     """The cache key: the caller's ``layer`` name when given, else the layer's shape."""
     if layer is not None:
@@ -69,22 +66,24 @@ def layer_key(layer, c_in, c_out, kernel_volume, dtype, transposed):
     return ("shape", int(c_in), int(c_out), int(kernel_volume), np.dtype(dtype).str, bool(transposed))
 
 
+# The tuned layers live with the library's other measured choices:
+# ``STATE.choices["tile"]``, emptied by ``numba_sc.clear_caches()`` too.
 def cached(key):
-    """The cached :class:`TileChoice` for ``key``, or None."""
-    return _CACHE.get(key)
+    """The tuned :class:`TileChoice` for ``key``, or None."""
+    return state.STATE.choices["tile"].get(key)
 
 
 def remember(key, choice):
-    """Cache ``choice`` (a :class:`TileChoice`) under ``key`` (:func:`layer_key`)."""
-    _CACHE[key] = choice
+    """Keep ``choice`` (a :class:`TileChoice`) under ``key`` (:func:`layer_key`)."""
+    state.STATE.choices["tile"][key] = choice
 
 
 def clear_cache():
     """Forget every tuned layer."""
-    _CACHE.clear()
+    state.STATE.choices["tile"].clear()
 
 
-@lru_cache(maxsize=4096)
+@state.cached(maxsize=4096)
 def heuristic_tile(channels: int, n_points: int, itemsize: int = 4) -> int:
     """Count-based tile size (module docstring): no timing, same answer everywhere.
     (Remembered: every call of every layer asks, and the divisors cost a loop.)"""
@@ -118,7 +117,7 @@ def search_tiles(samples, c_out, timer, rounds=5, warmup=True):
     """Algorithm 2 for one layer: time every divisor, keep the fastest.
 
     ``samples`` is a list of ``(features, plan)`` pairs on the device (features of
-    each sample cloud and its :class:`~numba_sc.gmas.metadata.GmasPlan`); ``timer(fn)``
+    each sample cloud and its :class:`~numba_sc.gmas.layout.GmasPlan`); ``timer(fn)``
     returns the time of one call of ``fn`` in seconds. The time of a tile size in
     one round is its sum over the samples; its score is the median of its rounds.
 

@@ -63,7 +63,8 @@ from ..core.device import array_module, device_xp, simulating
 from ..core.backend import like, resolve_backend, to_device, to_host
 from .gather import check_tile, gather_cuda, gather_reference
 from ..map.kernel_map import KernelMap, build_kernel_map, layer_arguments
-from .metadata import build_plan, centre_offset, submanifold_centre
+from .layout import centre_offset, submanifold_centre
+from .plan import build_plan
 from ..dataflows.fetch_on_demand import fetch_on_demand_cuda, fetch_on_demand_reference, fetch_plan
 from ..dataflows.implicit_gemm import implicit_gemm_cuda, implicit_gemm_reference, implicit_plan
 from .scatter import scatter_cuda, scatter_reference

@@ -19,7 +19,7 @@ Hence the autotuner (:mod:`numba_sc.gmas.autotune`) tries every divisor of C_in.
 
 Which entries: Algorithm 1 walks all K offsets of a dense table row, most of
 them empty on a sparse cloud. Here the metadata are compressed per point
-(:class:`numba_sc.gmas.metadata.PointLists`, PCEngine's idea, which the Minuet paper
+(:class:`numba_sc.gmas.layout.PointLists`, PCEngine's idea, which the Minuet paper
 names as orthogonal to its own): a bit mask of the point's offsets with a pair,
 whose set bits give the length of its list, and the list of rows. The thread
 reads the mask word, and then only the rows that exist.
@@ -75,16 +75,15 @@ figures: ``docs/performance.md``, "gmas/gather.py".
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 from numba import cuda, float32, from_dtype, uint64
 
 from ..core.device import device_xp, simulating
 from ..core.backend import resolve_backend, to_device, to_host
-from ..core.launch import launch
+from ..core.launch import THREADS, blocks_for, launch
 from ..core.rungs import Ladder, Rung
-from .metadata import as_point_lists
+from ..core.state import cached
+from .layout import as_point_lists
 from ..core.words import as_words, row_words
 
 
@@ -154,7 +153,7 @@ def gather_v2(features, in_masks, buffered, in_slots, tile, buf):
     On a sparse cloud most entries of the table are -1 (27 x 1M entries for
     ~0.4M pairs on 1M random voxels), and v1's threads read all of them. Here a
     point's offsets with a pair are the set bits of its mask word(s), and its
-    rows are listed in ``in_slots[:, p]`` (:class:`numba_sc.gmas.metadata.PointLists`,
+    rows are listed in ``in_slots[:, p]`` (:class:`numba_sc.gmas.layout.PointLists`,
     PCEngine's compression, which Minuet names as combining with its own
     ideas): a thread reads one mask and then only the rows that exist.
     """
@@ -172,7 +171,7 @@ def gather_v2(features, in_masks, buffered, in_slots, tile, buf):
                 buf[row, c0 + c] = features[p, c0 + c]
 
 
-@lru_cache(maxsize=None)
+@cached
 def gather_v3(tile: int, tiles: int, word=None):
     """v3 (``word=None``) and v4 (:func:`gather_v4`): the gather kernel compiled for one tile size, one
     number of tiles per row (channels / tile) and one kind of element.
@@ -200,9 +199,9 @@ def gather_v3(tile: int, tiles: int, word=None):
     per_thread, per_row = np.uint64(tile), np.uint64(tiles)
 
     @cuda.jit
-    def gather(features, in_masks, buffered, in_slots, buf):
+    def gather_v3_kernel(features, in_masks, buffered, in_slots, buf):
         """Input p's rows are ``in_slots[:, p]``, one per set bit of ``in_masks[:, p] &
-        buffered``, in offset order (:class:`numba_sc.gmas.metadata.PointLists`)."""
+        buffered``, in offset order (:class:`numba_sc.gmas.layout.PointLists`)."""
         t = uint64(cuda.grid(1))
         if t < uint64(features.shape[0]) * per_row:
             p = t // per_row  # neighbouring threads take neighbouring tiles of one point:
@@ -227,7 +226,7 @@ def gather_v3(tile: int, tiles: int, word=None):
                     for c in range(per_thread):
                         buf[row, c0 + c] = v[c]
 
-    return gather
+    return gather_v3_kernel
 
 
 def gather_v4(tile: int, tiles: int, word=None):
@@ -241,7 +240,7 @@ def gather_cuda(features, in_lists, rows, tile, zero_padding=False):
     """Device version, the library's: one launch of :func:`gather_v4` (v4, or v3
     when a tile is not a whole number of words) for all offsets.
 
-    ``in_lists``: a plan's :class:`~numba_sc.gmas.metadata.PointLists` (``plan.in_lists``),
+    ``in_lists``: a plan's :class:`~numba_sc.gmas.layout.PointLists` (``plan.in_lists``),
     or a dense (|P|, K) input table, which is packed into lists first.
     ``zero_padding``: zero the padding rows (the weight gradient multiplies two
     buffers' padding rows together, where garbage could be NaN).
@@ -275,16 +274,19 @@ def gather_rung(rung: str, features, plan, tile):
     buf = (xp.zeros if simulating() else xp.empty)((plan.rows, f.shape[1]), dtype=f.dtype)
     n = f.shape[0] * (f.shape[1] // tile)
     lists = plan.in_lists
-    if rung == "v1":
-        launch(gather_v1, n, f, to_device(plan.in_table), tile, buf)
-    elif rung == "v2":
-        launch(gather_v2, n, f, to_device(lists.masks), to_device(lists.buffered), to_device(lists.slots),
-               tile, buf)
-    elif rung == "v3":
-        launch(gather_v3(tile, f.shape[1] // tile), n, f, to_device(lists.masks), to_device(lists.buffered),
-               to_device(lists.slots), buf)
-    else:
+    if rung not in ("v1", "v2", "v3"):
         raise ValueError(f"rung must be one of {LADDER.names}, got {rung!r}")
+    if n == 0:  # (a launch needs a block)
+        return buf
+    blocks = blocks_for(n, THREADS)
+    if rung == "v1":
+        gather_v1[blocks, THREADS](f, to_device(plan.in_table), tile, buf)
+    elif rung == "v2":
+        gather_v2[blocks, THREADS](f, to_device(lists.masks), to_device(lists.buffered), to_device(lists.slots),
+                                   tile, buf)
+    else:
+        gather_v3(tile, f.shape[1] // tile)[blocks, THREADS](f, to_device(lists.masks), to_device(lists.buffered),
+                                                             to_device(lists.slots), buf)
     return buf
 
 

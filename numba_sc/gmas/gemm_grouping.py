@@ -44,7 +44,7 @@ most ``launch_rows`` rows, the rows the GPU moves in the time one launch costs
 the host (:func:`launch_rows`: bytes per row at ``BYTES_PER_US``, or flops per
 row at ``FLOPS_PER_US`` when those take longer). Each such extension saves one
 launch. ``launch_rows=0`` is the plain padding policy above (the default of the
-functions here and of :func:`numba_sc.gmas.metadata.build_plan`);
+functions here and of :func:`numba_sc.gmas.plan.build_plan`);
 :func:`numba_sc.sparse_conv3d` prices launches by its channels unless told
 otherwise. On the scan above, 64 -> 64 channels in fp16 (``launch_rows`` ~117k)
 gives 2 GEMMs, 18 offsets of 3,239 rows and 8 of 21,662; 4 -> 16 in fp32
@@ -70,6 +70,7 @@ from numba import cuda
 
 from ..core.device import device_xp, simulating
 from ..core.launch import launch
+from ..core.state import remember
 
 DEFAULT_MAX_PADDING = 0.25  # a group may add at most 25 % zero rows to its real rows
 DEFAULT_SOLO_ROWS = 1 << 17  # an offset with this many pairs runs as its own GEMM
@@ -244,7 +245,7 @@ def grouped_gemm_reference(in_buf, weight, groups, out_buf):
 # Python here is a microsecond of layer time, so the modules are imported once
 # (an ``import`` statement inside a function looks the module up and binds its
 # name again at every call) and the pool's streams and events are made once.
-_GPU = []  # [cupy, CuPy's cuBLAS module], filled on first use
+_GPU = remember([])  # [cupy, CuPy's cuBLAS module], filled on first use
 
 
 def _gpu():
@@ -258,7 +259,7 @@ def _gpu():
     return _GPU
 
 
-_POOLS = {}  # device id -> (the pool's side streams, its reusable events)
+_POOLS = remember({})  # device id -> (the pool's side streams, its reusable events); cleared: new ones
 
 
 class _PoolEvents:
@@ -350,7 +351,7 @@ def _product(features, w_ptr, c_out):
     return out
 
 
-_ORDER_CACHE = {}
+_ORDER_CACHE = remember({})  # (groups' members, device) -> their offsets on that device
 
 
 def device_order(groups, xp):

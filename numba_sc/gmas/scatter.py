@@ -12,7 +12,7 @@ One thread per (channel tile, output point), mirroring the gather: the thread
 owns its tile of its output, accumulates its partial results in registers and
 writes the tile once. No other thread touches that tile, so there are no atomics
 and the sum is taken in a fixed order (offset order: the order of the output's
-list, :class:`numba_sc.gmas.metadata.PointLists`): the result is deterministic, run
+list, :class:`numba_sc.gmas.layout.PointLists`): the result is deterministic, run
 after run. Sums are accumulated in fp32 also for fp16 data, and for fp16 features
 the buffer itself is float32 (:func:`numba_sc.gmas.gemm_grouping.product_dtype`: a
 partial product may pass fp16's range where the sum does not), so each output is
@@ -60,18 +60,17 @@ when a centre product is added; an output without pairs is not touched).
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 from numba import cuda, float32, uint64
 
 from ..core import conventions as cv
 from ..core.device import device_xp
 from ..core.backend import resolve_backend, to_device, to_host
-from ..core.launch import launch
+from ..core.launch import THREADS, blocks_for, launch
 from ..core.rungs import Ladder, Rung
+from ..core.state import cached
 from .gather import check_tile
-from .metadata import as_point_lists
+from .layout import as_point_lists
 from ..core.words import as_words, lane_codec, lanes, row_words
 
 
@@ -143,7 +142,7 @@ def scatter_v2(obuf, out_masks, buffered, out_slots, tile, has_init, out):
             out[q, c] = acc
 
 
-@lru_cache(maxsize=None)
+@cached
 def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4):
     """v3 (``word=None``) and v4 (:func:`scatter_v4`): the scatter kernel compiled for one tile size and
     one number of tiles per row.
@@ -171,9 +170,9 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4):
     per_thread, per_row, n_u = np.uint64(tile), np.uint64(tiles), np.uint64(n_lanes)
 
     @cuda.jit
-    def scatter(obuf, out_masks, buffered, out_slots, has_init, out):
+    def scatter_v3_kernel(obuf, out_masks, buffered, out_slots, has_init, out):
         """Output q's rows are ``out_slots[:, q]``, one per set bit of ``out_masks[:, q] &
-        buffered``, in offset order (:class:`numba_sc.gmas.metadata.PointLists`)."""
+        buffered``, in offset order (:class:`numba_sc.gmas.layout.PointLists`)."""
         t = uint64(cuda.grid(1))
         if t < uint64(out.shape[0]) * per_row:
             q = t // per_row  # as in the gather: neighbouring threads, neighbouring tiles
@@ -205,7 +204,7 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4):
                 for c in range(per_thread):
                     out[q, c0 + c] = packed(acc, c * n_u)  # the tile's only write: no atomics
 
-    return scatter
+    return scatter_v3_kernel
 
 
 def scatter_v4(tile: int, tiles: int, word=None, itemsize: int = 4):
@@ -219,7 +218,7 @@ def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=No
     """Device version: one launch of :func:`scatter_v4` (v4, or v3 when a tile is not a
     whole number of words).
 
-    ``out_lists``: a plan's :class:`~numba_sc.gmas.metadata.PointLists` (``plan.out_lists``),
+    ``out_lists``: a plan's :class:`~numba_sc.gmas.layout.PointLists` (``plan.out_lists``),
     or a dense (|Q|, K) output table, which is packed into lists first. When
     ``init`` (|Q|, C_out) is given it is used as the output array itself (summed
     into in place), saving a separate addition.
@@ -256,16 +255,19 @@ def scatter_rung(rung: str, obuf, plan, init, tile):
     out = to_device(init).copy()
     n = out.shape[0] * (out.shape[1] // tile)
     lists = plan.out_lists
-    if rung == "v1":
-        launch(scatter_v1, n, obuf, to_device(plan.out_table), tile, True, out)
-    elif rung == "v2":
-        launch(scatter_v2, n, obuf, to_device(lists.masks), to_device(lists.buffered), to_device(lists.slots),
-               tile, True, out)
-    elif rung == "v3":
-        launch(scatter_v3(tile, out.shape[1] // tile, None, out.itemsize), n, obuf, to_device(lists.masks),
-               to_device(lists.buffered), to_device(lists.slots), True, out)
-    else:
+    if rung not in ("v1", "v2", "v3"):
         raise ValueError(f"rung must be one of {LADDER.names}, got {rung!r}")
+    if n == 0:  # (a launch needs a block)
+        return out
+    blocks = blocks_for(n, THREADS)
+    if rung == "v1":
+        scatter_v1[blocks, THREADS](obuf, to_device(plan.out_table), tile, True, out)
+    elif rung == "v2":
+        scatter_v2[blocks, THREADS](obuf, to_device(lists.masks), to_device(lists.buffered),
+                                    to_device(lists.slots), tile, True, out)
+    else:
+        scatter_v3(tile, out.shape[1] // tile, None, out.itemsize)[blocks, THREADS](
+            obuf, to_device(lists.masks), to_device(lists.buffered), to_device(lists.slots), True, out)
     return out
 
 

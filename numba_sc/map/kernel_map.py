@@ -140,7 +140,7 @@ class KernelMap:
     out_masks: object = field(default=None, repr=False)
     in_masks: object = field(default=None, repr=False)
     # Remembered by the GMaS step, not part of the map's value: the submanifold centre
-    # (numba_sc.gmas.metadata.submanifold_centre) and, for a map passed to a layer again,
+    # (numba_sc.gmas.layout.submanifold_centre) and, for a map passed to a layer again,
     # its latest plan with the policy it was built for (numba_sc.gmas.conv.layer_plan).
     known_centre: int = field(default=None, repr=False, compare=False)
     kept_plan: tuple = field(default=None, repr=False, compare=False)

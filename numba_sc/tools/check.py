@@ -93,7 +93,7 @@ def default_stages():
 
     def plan(ctx, backend):
         from ..map.kernel_map import build_kernel_map
-        from ..gmas.metadata import build_plan
+        from ..gmas.plan import build_plan
 
         km = build_kernel_map(ctx["voxels"].coords, 3, backend="reference")
         return build_plan(km, backend=backend)

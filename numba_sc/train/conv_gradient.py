@@ -22,7 +22,7 @@ gradient of a layer is the layer's transpose**: a submanifold layer's is a
 submanifold convolution (its map is symmetric), a strided layer's is a
 transposed convolution over the same map, and a transposed layer's is the
 strided one. The library runs it with the GMaS machinery of the forward pass:
-the forward's plan read backwards (:meth:`numba_sc.gmas.metadata.GmasPlan.transposed`
+the forward's plan read backwards (:meth:`numba_sc.gmas.layout.GmasPlan.transposed`
 swaps the two point lists, every pair keeps its buffer row), the weights
 transposed, and nothing built.
 

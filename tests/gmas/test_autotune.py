@@ -5,6 +5,7 @@ import numpy as np
 from numba_sc import kernel_offsets, sparse_conv3d
 from numba_sc import autotune as autotune_mod_fn  # the function
 from numba_sc.core.device import simulating
+from numba_sc.gmas.autotune import layer_key
 from numba_sc.gmas.conv import resolve_tiles
 
 from helpers import assert_close, oracle, tensor, weights
@@ -55,3 +56,19 @@ def test_heuristic_tile():
     assert heuristic_tile(64, 1_000_000, itemsize=2) == 16
     assert heuristic_tile(33, 1_000_000) == 3
     assert heuristic_tile(64, 20_000) == 8 and heuristic_tile(64, 5_000) == 2
+
+
+def test_tuned_tiles_live_in_the_library_state():
+    """A tuned layer is a measured choice of STATE.choices["tile"]: clear_caches forgets it."""
+    import numba_sc
+    from numba_sc.core.state import STATE
+    from numba_sc.gmas.autotune import TileChoice, cached, remember
+
+    key = layer_key("dec3", 8, 8, 27, np.float32, False)
+    choice = TileChoice(2, 4, "autotuned")
+    remember(key, choice)
+    assert cached(key) is choice and STATE.choices["tile"][key] is choice
+    assert resolve_tiles(None, 8, 8, 100, 100, np.float32, 27, False, "dec3") == (2, 4)
+    numba_sc.clear_caches()
+    assert cached(key) is None
+    assert resolve_tiles(None, 8, 8, 100, 100, np.float32, 27, False, "dec3") != (2, 4)  # the heuristic again

@@ -28,7 +28,7 @@ from numba_sc.gmas import conv
 from numba_sc.gmas.conv import gmas
 from numba_sc.gmas.gather import divisors
 from numba_sc.map.kernel_map import build_kernel_map
-from numba_sc.gmas.metadata import build_plan
+from numba_sc.gmas.plan import build_plan
 
 from conftest import crop, load_scan
 from helpers import RTOL16, RTOL32, assert_close, cloud, downsampled, host, oracle, rel_err, tensor, weights

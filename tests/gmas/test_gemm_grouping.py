@@ -6,7 +6,7 @@ import pytest
 from numba_sc import SparseTensor, sparse_conv3d
 from numba_sc.core.backend import to_device, to_host
 from numba_sc.gmas.gemm_grouping import launch_rows, make_groups, offset_order, padding_report
-from numba_sc.gmas.metadata import build_plan
+from numba_sc.gmas.plan import build_plan
 
 
 def test_grouping_padding_by_hand():
@@ -104,3 +104,15 @@ def test_take_weights_kernel_matches_reference(rng):
         got = to_host(take_weights_cuda(to_device(w), to_device(order)))
         np.testing.assert_array_equal(got, take_weights_reference(w, order))
         np.testing.assert_array_equal(got[2], w[3])  # not a shifted copy
+
+
+def test_device_orders_are_kept_until_the_library_state_is_cleared():
+    import numba_sc
+    from numba_sc.gmas import gemm_grouping as gg
+
+    groups = make_groups([5, 3, 4], [1, 2, 0], max_padding=0.5)
+    order = gg.device_order(groups, np)
+    np.testing.assert_array_equal(order, [k for g in groups for k in g.members])
+    assert gg.device_order(groups, np) is order  # kept: no second copy
+    numba_sc.clear_caches()
+    assert gg._ORDER_CACHE == {} and gg.device_order(groups, np) is not order

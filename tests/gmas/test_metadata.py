@@ -13,11 +13,12 @@ import pytest
 from numba_sc.core.backend import to_host
 from numba_sc.core.pieces import as_array
 from numba_sc.gmas.gather import gather_cuda, gather_reference
-from numba_sc.map.kernel_map import build_kernel_map
-from numba_sc.gmas.metadata import (ITEMS_PER_THREAD, build_plan, build_plan_cuda,
-                                    chunk_counts_cuda, chunk_counts_reference, chunk_rank_reference,
-                                    chunk_size, lists_from_table, masks_cuda, masks_reference,
-                                    table_from_lists)
+from numba_sc.map.kernel_map import KernelMap, build_kernel_map
+from numba_sc.core.conventions import ITEMS_PER_THREAD, chunk_size
+from numba_sc.gmas.layout import lists_from_table, table_from_lists
+from numba_sc.gmas.metadata import (chunk_counts_cuda, chunk_counts_reference, chunk_rank_reference,
+                                    masks_cuda, masks_reference)
+from numba_sc.gmas.plan import build_plan, build_plan_cuda
 from numba_sc.gmas.scatter import scatter_cuda, scatter_reference
 
 from helpers import tensor
@@ -25,12 +26,7 @@ from helpers import tensor
 
 def test_metadata_worked_example():
     """The example in metadata's docstring, exactly, on both backends."""
-    from types import SimpleNamespace
-
-    km = SimpleNamespace(
-        table=np.array([[1, -1, 0], [0, 1, 2]], np.int32), counts=np.array([2, 3]),
-        offsets=np.array([[0, 0, -1], [0, 0, 1]], np.int32),
-        in_coords=np.zeros((3, 3), np.int32), out_coords=np.zeros((3, 3), np.int32))
+    km = synthetic_map([[1, -1, 0], [0, 1, 2]], 3, offsets=[[0, 0, -1], [0, 0, 1]])
     for bk in ("reference", "cuda"):
         plan = build_plan(km, max_padding=0.0, backend=bk)
         assert plan.centre == -1 and plan.rows == 5
@@ -73,16 +69,14 @@ PER = ITEMS_PER_THREAD
 
 
 def synthetic_map(table, n_in, offsets=None):
-    """A kernel map made of a table alone (what build_plan reads of a map)."""
-    from types import SimpleNamespace
-
+    """A kernel map made of a table alone (what build_plan reads of a map): no chunk
+    counts, no masks, as a map from outside the kernel path comes."""
     table = np.asarray(table, np.int32)
     K, n_out = table.shape
     if offsets is None:  # K distinct offsets, none of them the centre
         offsets = np.stack([np.zeros(K), np.zeros(K), np.arange(1, K + 1)], axis=1)
-    return SimpleNamespace(
-        table=table, counts=(table >= 0).sum(axis=1), offsets=np.asarray(offsets, np.int32),
-        in_coords=np.zeros((n_in, 3), np.int32), out_coords=np.zeros((n_out, 3), np.int32))
+    return KernelMap(np.zeros((n_in, 3), np.int32), np.zeros((n_out, 3), np.int32), None,
+                     np.asarray(offsets, np.int32), table, (table >= 0).sum(axis=1).astype(np.int64))
 
 
 def random_pairs(rng, n_out, n_in, density, forced=()):

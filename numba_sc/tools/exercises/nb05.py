@@ -40,7 +40,7 @@ def crop_layer(stride: int = 1):
     """A 3x3x3 layer of ``stride`` on the crop: ``(kernel map, GMaS plan)``, both built by
     the NumPy references (stride 1: a submanifold layer, whose centre skips the
     buffers; stride 2: fewer outputs than inputs, every offset in the buffers)."""
-    from ...gmas.metadata import build_plan
+    from ...gmas.plan import build_plan
     from ...map.kernel_map import build_kernel_map
 
     km = build_kernel_map(crop_coords(), kernel_size=3, stride=stride, backend="reference")
@@ -138,8 +138,8 @@ def _lists_sorted_by_row(table):
 @exercise("5.3", "per-point lists", answer="point_lists", wrong=_lists_sorted_by_row)
 def check_point_lists(point_lists):
     """``point_lists(table) -> (masks, rows)`` on the crop's input and output tables, against
-    :func:`numba_sc.gmas.metadata.lists_from_table` (what rung v2 reads)."""
-    from ...gmas.metadata import lists_from_table
+    :func:`numba_sc.gmas.layout.lists_from_table` (what rung v2 reads)."""
+    from ...gmas.layout import lists_from_table
 
     _, plan = crop_layer(1)
     for name, table in (("in_table", plan.in_table), ("out_table", plan.out_table)):

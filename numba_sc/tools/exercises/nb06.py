@@ -32,7 +32,7 @@ def real_layers() -> tuple:
     """(name, pair counts, the centre offset or None) of 3x3x3 layers, stride 1 and 2, on
     crops of 3,000 points of the SemanticKITTI scan and of the SUN RGB-D frame."""
     from ...coords.voxelization import voxelize
-    from ...gmas.metadata import submanifold_centre
+    from ...gmas.layout import submanifold_centre
     from ...map.kernel_map import build_kernel_map
     from ..check import crop_points
 

@@ -76,7 +76,7 @@ def check_implicit_waste(implicit_waste):
     :func:`numba_sc.dataflows.implicit_gemm.plan_work` of the library's one-split plan."""
     import numba_sc as ns
     from ...dataflows import implicit_gemm
-    from ...gmas.metadata import submanifold_centre
+    from ...gmas.layout import submanifold_centre
 
     coords = crop_voxels(800, seed=11)
     km = ns.build_kernel_map(coords, 3, backend="reference")
