@@ -193,7 +193,7 @@ class Context:
         (K, C, C) and ``init`` (|Q|, C) (a centre product to add onto)."""
         from ..gmas.autotune import heuristic_tile
         from ..gmas.metadata import build_plan, submanifold_centre
-        from ..map.kernel_map import build_kernel_map
+        from ..map.map_step import build_kernel_map
 
         def build():
             km = build_kernel_map(self.device_coords(), 3, backend="cuda", masks=True)

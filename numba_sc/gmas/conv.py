@@ -62,7 +62,8 @@ from .autotune import TileChoice, cached, gpu_time_once, heuristic_tile, layer_k
 from ..core.device import array_module, device_xp, simulating
 from ..core.backend import like, resolve_backend, to_device, to_host
 from .gather import check_tile, gather_cuda, gather_reference
-from ..map.kernel_map import KernelMap, build_kernel_map, layer_arguments
+from ..map.kernel_map import KernelMap, layer_arguments
+from ..map.map_step import build_kernel_map
 from .metadata import build_plan, centre_offset, submanifold_centre
 from ..dataflows.fetch_on_demand import fetch_on_demand_cuda, fetch_on_demand_reference, fetch_plan
 from ..dataflows.implicit_gemm import implicit_gemm_cuda, implicit_gemm_reference, implicit_plan

@@ -13,7 +13,7 @@ import pytest
 from numba_sc.core.backend import to_host
 from numba_sc.core.pieces import as_array
 from numba_sc.gmas.gather import gather_cuda, gather_reference
-from numba_sc.map.kernel_map import build_kernel_map
+from numba_sc.map.map_step import build_kernel_map
 from numba_sc.gmas.metadata import (ITEMS_PER_THREAD, build_plan, build_plan_cuda,
                                     chunk_counts_cuda, chunk_counts_reference, chunk_rank_reference,
                                     chunk_size, lists_from_table, masks_cuda, masks_reference,
