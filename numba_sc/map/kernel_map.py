@@ -131,7 +131,8 @@ class KernelMap:
     # counts them from the table; None when not known (reference maps, transposed
     # maps, maps from elsewhere):
     #
-    # int32 (K, ceil(|Q| / chunk)): pairs per offset and chunk of outputs.
+    # int32 (K, ceil(|Q| / chunk)): pairs per offset and chunk of outputs. Like the
+    # masks, on the device (a CuPy array on a GPU whatever the caller passed).
     chunk_counts: object = field(default=None, repr=False)
     # Outputs per chunk of chunk_counts: numba_sc.gmas.metadata.chunk_size() of the
     # machine; the metadata stage uses chunk_counts only when its own chunk is this.
