@@ -110,7 +110,8 @@ class _Work:
                                              0 unless the caller asked for masks)
 
     ``report`` is a CuPy (or NumPy) array, since the map hands out a view of it
-    (``counts``); the rest are :class:`numba_sc.core.pieces.Piece` s, kernel arguments only.
+    (``counts``); the rest are :class:`numba_sc.core.pieces.Piece` s, kernel arguments only
+    (the map's chunk counts and masks are handed out as arrays, :func:`_finish_cuda`).
     The chunk counts and masks come twice, as the map's 2-D pieces and as the flat
     ones the forward search writes (its row length may be known on the device
     only). For a strided layer whose outputs are counted on the device, ``Q`` here
@@ -274,7 +275,6 @@ class Counted:
     out_all: object  # the outputs' rows; the first |Q| (the count in the report) are the outputs
     table: object  # int32, K * |P| long: the first K * |Q| are the table
     in_sorted: object  # the inputs
-    offsets: np.ndarray
     layer: Layer
     query_reach: tuple  # the reach the outputs' keys were packed with
 
@@ -456,7 +456,7 @@ def _start_counted(in_sorted, layer, h, source_reach, query_reach, sides, B, C, 
     cv.launch_pack(in_sorted, *source_reach, work.keys_in, work.flags_in)
     d_deltas = _device_deltas(ks, dil, ts, h)
     table, found = _search_cuda(work.keys_in, work.keys_out, d_deltas, K, B, C, work, n_out=work.n_out)
-    counted = Counted(out_all, table, in_sorted, offsets, layer, query_reach)
+    counted = Counted(out_all, table, in_sorted, layer, query_reach)
     return PendingMap(None, read_later(work.report_read) if read else None, work, found, sides, False, "sorted",
                       d_deltas, Sizes(K, h, P, P, B, C, masks), counted)
 
@@ -466,7 +466,8 @@ def _counted_result(counted, work, rep):
     chunk counts and masks viewed at their real size; and the error if the pack
     flagged an output (slow path: the outputs made again on the host to name it). An
     input out of range is left to :func:`_check_report`, which names the input."""
-    offsets, layer = counted.offsets, counted.layer
+    layer = counted.layer
+    offsets = layer.offsets
     if rep[REPORT_OUT + cv.FLAG_RANGE] and not rep[REPORT_IN + cv.FLAG_RANGE]:
         # raises if a snapped coordinate can't pack
         out = output_coordinates_reference(to_host(counted.in_sorted), layer.stride, layer.tensor_stride)

@@ -5,7 +5,6 @@ errors."""
 import numpy as np
 import pytest
 
-import numba_sc as ns
 from numba_sc.core import conventions as cv
 from numba_sc.core.backend import to_host
 from numba_sc.core.pieces import Piece
