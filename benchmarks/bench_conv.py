@@ -48,7 +48,7 @@ def bench_numba_sc(coords, cin, cout, dtype, args, rec):
     from numba_sc.gmas.conv import prepare_layer
     from numba_sc.gmas.gather import gather_cuda
     from numba_sc.gmas.gemm_grouping import centre_product_cuda, grouped_gemm_cuda, product_dtype
-    from numba_sc.map.kernel_map import build_kernel_map
+    from numba_sc.map.map_step import build_kernel_map
     from numba_sc.gmas.plan import build_plan
     from numba_sc.gmas.scatter import scatter_cuda
 

@@ -29,7 +29,9 @@ from .core.tensor import SparseTensor
 from . import nn
 from .nn import models, spconv_format
 from .gmas.gemm_grouping import padding_report
-from .map.kernel_map import KernelMap, build_kernel_map, choose_map_method
+from .map.kernel_map import KernelMap
+from .map.map_step import build_kernel_map
+from .map.method import choose_map_method
 from .gmas.layout import GmasPlan
 from .gmas.plan import build_plan, grouping_report
 from .coords.output_coords import output_coordinates

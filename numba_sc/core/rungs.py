@@ -194,7 +194,7 @@ class Context:
         from ..gmas.autotune import heuristic_tile
         from ..gmas.layout import submanifold_centre
         from ..gmas.plan import build_plan
-        from ..map.kernel_map import build_kernel_map
+        from ..map.map_step import build_kernel_map
 
         def build():
             km = build_kernel_map(self.device_coords(), 3, backend="cuda", masks=True)

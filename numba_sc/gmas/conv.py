@@ -62,7 +62,8 @@ from .autotune import TileChoice, cached, gpu_time_once, heuristic_tile, layer_k
 from ..core.device import array_module, device_xp, simulating
 from ..core.backend import like, resolve_backend, to_device, to_host
 from .gather import check_tile, gather_cuda, gather_reference
-from ..map.kernel_map import KernelMap, build_kernel_map, layer_arguments
+from ..map.kernel_map import KernelMap, layer_arguments
+from ..map.map_step import build_kernel_map
 from .layout import centre_offset, submanifold_centre
 from .plan import build_plan
 from ..dataflows.fetch_on_demand import fetch_on_demand_cuda, fetch_on_demand_reference, fetch_plan
@@ -181,7 +182,7 @@ def layer_plan(km, sort, max_padding, solo_rows, launch_rows, priced_rows, backe
     SemanticKITTI: ``python -m numba_sc ladder metadata``, recorded in
     ``benchmarks/results/ladder_all_kitti.json``). The transposed layer that
     inverts a strided layer reads that layer's plan backwards
-    (:meth:`numba_sc.gmas.metadata.GmasPlan.transposed`), so it builds nothing at
+    (:meth:`numba_sc.gmas.layout.GmasPlan.transposed`), so it builds nothing at
     all.
 
     ``launch_rows`` is the argument: None (price a launch by the channels,
@@ -259,7 +260,7 @@ def gmas(features, weight, plan, tiles=(1, 1), backend=None, init=None, keep_buf
     """The GMaS step on prepared arrays: centre product, gather, grouped GEMMs, scatter.
 
     ``features`` (|P|, C_in) in the map's input order, ``weight`` (K, C_in, C_out)
-    indexed like the map's offsets, ``plan`` from :func:`numba_sc.gmas.metadata.build_plan`.
+    indexed like the map's offsets, ``plan`` from :func:`numba_sc.gmas.plan.build_plan`.
     ``init``: the centre product ``features @ weight[plan.centre]`` when it is
     already computed (or queued: :func:`sparse_conv3d` queues it during the Map
     step's read, or before the metadata for a given map), else None. Returns

@@ -25,7 +25,7 @@ network will need can all be built before its first layer:
    (:func:`numba_sc.coords.output_coords.start_output_coords`), and all their counts
    come back in one read.
 3. **Every map at once**: each map's search is queued and its report's copy started
-   (:func:`numba_sc.map.kernel_map.start_kernel_map_cuda`); then the host waits, once,
+   (:func:`numba_sc.map.driver.start_kernel_map_cuda`); then the host waits, once,
    for the reports.
 4. The maps go where the layers look for them (``x.maps`` and the coarser sets'
    :class:`~numba_sc.core.tensor.CoordinateMaps`), so the forward pass builds nothing
@@ -46,7 +46,8 @@ from ..coords.output_coords import finish_output_coords, start_output_coords
 from ..core.backend import filled, to_device, to_host
 from ..core.device import device_xp
 from ..core.tensor import CoordinateMaps
-from ..map.kernel_map import auto_map_method, start_kernel_map_cuda
+from ..map.driver import start_kernel_map_cuda
+from ..map.method import auto_map_method
 
 
 class MapPlan:

@@ -92,7 +92,7 @@ def default_stages():
         return sparse_conv3d(x, ctx["conv_weight"], kernel_size=3, backend=backend)
 
     def plan(ctx, backend):
-        from ..map.kernel_map import build_kernel_map
+        from ..map.map_step import build_kernel_map
         from ..gmas.plan import build_plan
 
         km = build_kernel_map(ctx["voxels"].coords, 3, backend="reference")
@@ -114,7 +114,7 @@ def default_stages():
         return None
 
     def kmap(ctx, backend):
-        from ..map.kernel_map import build_kernel_map
+        from ..map.map_step import build_kernel_map
 
         # Small blocks so that a crop still has many source blocks and splits.
         return build_kernel_map(ctx["voxels"].coords, 3, backend=backend, source_block=64, query_block=64)

@@ -96,7 +96,7 @@ def trace(coords, features, weight, kernel_size=3, stride=1, dilation=1, backend
     """
     bk = resolve_backend(backend)
     x = SparseTensor(coords, features)
-    from ..map.kernel_map import build_kernel_map
+    from ..map.map_step import build_kernel_map
 
     km = build_kernel_map(x.coords, kernel_size, stride, dilation, tensor_stride=x.stride,
                           backend=bk, source_block=source_block, query_block=query_block, masks=True)

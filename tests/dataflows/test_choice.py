@@ -169,18 +169,3 @@ def test_bad_dataflow(rng):
     x = _tensor(rng, 50, 4)
     with pytest.raises(ValueError, match="dataflow must be one of"):
         ns.sparse_conv3d(x, _weight(rng, 27, 4, 4, np.float32), backend="reference", dataflow="winograd")
-
-
-def test_map_method_auto(rng, monkeypatch):
-    c = np.unique(random_coords(rng, 200, span=5), axis=0)
-    assert ns.build_kernel_map(c, 3, backend="cuda").stats["method"] == "sorted"  # the rule
-    if ns.simulating():  # (on a GPU it measures)
-        assert ns.choose_map_method(c).source == "rule"
-    monkeypatch.setattr(ch, "measure", lambda cands, timer, rounds: {m: i + 1.0 for i, m in
-                                                                    enumerate(reversed(list(cands)))})
-    choice = ns.choose_map_method(c, timer=lambda fn: 0.0)
-    assert choice.value == "grid" and choice.source == "measured"  # the box of this cloud fits
-    assert ns.build_kernel_map(c, 3, backend="cuda").stats["method"] == "grid"
-    assert ns.build_kernel_map(c, 3, backend="reference").stats["method"] == "grid"
-    far = np.unique(random_coords(rng, 3000, span=40), axis=0)  # another size class: the rule
-    assert ns.build_kernel_map(far, 3, backend="reference").stats["method"] == "sorted"

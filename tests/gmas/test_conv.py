@@ -27,7 +27,7 @@ from numba_sc.core.backend import to_host
 from numba_sc.gmas import conv
 from numba_sc.gmas.conv import gmas
 from numba_sc.gmas.gather import divisors
-from numba_sc.map.kernel_map import build_kernel_map
+from numba_sc.map.map_step import build_kernel_map
 from numba_sc.gmas.plan import build_plan
 
 from conftest import crop, load_scan

@@ -9,7 +9,7 @@ import pytest
 from numba_sc import kernel_offsets, sparse_conv3d
 from numba_sc.core.backend import to_host
 from numba_sc.gmas.gather import divisors, gather_cuda, gather_reference
-from numba_sc.map.kernel_map import build_kernel_map
+from numba_sc.map.map_step import build_kernel_map
 from numba_sc.gmas.plan import build_plan
 from numba_sc.gmas.scatter import scatter, scatter_cuda, scatter_reference
 

@@ -13,7 +13,8 @@ import pytest
 from numba_sc.core.backend import to_host
 from numba_sc.core.pieces import as_array
 from numba_sc.gmas.gather import gather_cuda, gather_reference
-from numba_sc.map.kernel_map import KernelMap, build_kernel_map
+from numba_sc.map.kernel_map import KernelMap
+from numba_sc.map.map_step import build_kernel_map
 from numba_sc.core.conventions import ITEMS_PER_THREAD, chunk_size
 from numba_sc.gmas.layout import lists_from_table, table_from_lists
 from numba_sc.gmas.metadata import (chunk_counts_cuda, chunk_counts_reference, chunk_rank_reference,

@@ -17,7 +17,8 @@ from numba_sc.core.backend import to_device, to_host
 from numba_sc.map.backward_search import (backward_search_cuda, backward_search_reference,
                                       max_balanced_blocks, split_query_blocks_reference)
 from numba_sc.map.forward_search import forward_search_cuda, forward_search_reference
-from numba_sc.gmas.metadata import chunk_counts_reference, chunk_size
+from numba_sc.core.conventions import chunk_size
+from numba_sc.gmas.metadata import chunk_counts_reference
 from numba_sc.map.query_segments import query_segments_reference
 
 from helpers import (assert_matches_oracle, assert_same_map, oracle_map, oracle_offsets, oracle_outputs,

@@ -4,7 +4,7 @@ import numpy as np
 from numba import cuda
 
 import numba_sc.coords.voxelization as voxmod
-import numba_sc.map.kernel_map as kmmod
+import numba_sc.map.driver as drivermod
 from numba_sc.core.backend import to_host
 from numba_sc.tools.check import run_check
 from numba_sc.tools.synthetic import lidar_scene
@@ -52,7 +52,7 @@ def test_check_rejects_unknown_stage():
 
 def test_check_catches_and_locates_a_broken_map_kernel(monkeypatch):
     """A forward search that drops one hit is found, and told as coordinates."""
-    real = kmmod.forward_search_cuda
+    real = drivermod.forward_search_cuda
 
     def broken(*args, **kw):
         table, report, chunk_counts = real(*args, **kw)
@@ -61,7 +61,7 @@ def test_check_catches_and_locates_a_broken_map_kernel(monkeypatch):
         table[k, i] = -1  # the planted bug: one pair lost
         return table, report, chunk_counts
 
-    monkeypatch.setattr(kmmod, "forward_search_cuda", broken)
+    monkeypatch.setattr(drivermod, "forward_search_cuda", broken)
     pts = crop(load_scan("semantickitti"), 400)
     results = run_check(np.ascontiguousarray(pts[:, :3]), None, 0.05, stage="kernel map", log=lambda *_: None)
     (name, ok, detail), = results

@@ -41,7 +41,7 @@ def crop_layer(stride: int = 1):
     the NumPy references (stride 1: a submanifold layer, whose centre skips the
     buffers; stride 2: fewer outputs than inputs, every offset in the buffers)."""
     from ...gmas.plan import build_plan
-    from ...map.kernel_map import build_kernel_map
+    from ...map.map_step import build_kernel_map
 
     km = build_kernel_map(crop_coords(), kernel_size=3, stride=stride, backend="reference")
     return km, build_plan(km, backend="reference")

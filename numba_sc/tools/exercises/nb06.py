@@ -33,7 +33,7 @@ def real_layers() -> tuple:
     crops of 3,000 points of the SemanticKITTI scan and of the SUN RGB-D frame."""
     from ...coords.voxelization import voxelize
     from ...gmas.layout import submanifold_centre
-    from ...map.kernel_map import build_kernel_map
+    from ...map.map_step import build_kernel_map
     from ..check import crop_points
 
     found = []
