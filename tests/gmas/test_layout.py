@@ -8,7 +8,8 @@ import numpy as np
 
 from numba_sc.gmas.layout import (GmasPlan, PointLists, buffered_bits, centre_offset, lists_from_table,
                                   masks_from_hits, offset_layout, submanifold_centre, table_from_lists)
-from numba_sc.map.kernel_map import KernelMap, build_kernel_map
+from numba_sc.map.kernel_map import KernelMap
+from numba_sc.map.map_step import build_kernel_map
 
 from helpers import tensor
 

@@ -14,7 +14,7 @@ from numba_sc.gmas import plan as plan_module
 from numba_sc.gmas.gemm_grouping import padding_report
 from numba_sc.gmas.layout import submanifold_centre
 from numba_sc.gmas.plan import build_plan, build_plan_cuda, grouping_report
-from numba_sc.map.kernel_map import build_kernel_map
+from numba_sc.map.map_step import build_kernel_map
 
 from helpers import tensor
 
