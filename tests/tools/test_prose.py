@@ -2,9 +2,14 @@
 gives, nothing performance-like is typed by hand, and the check notices when a result
 file changes."""
 import json
+import os
 import random
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
+import numba_sc
 from numba_sc.tools import prose, results
 from numba_sc.tools.prose import check_prose, prose_files, render_table, update_prose
 from numba_sc.tools.results import evaluate, load
@@ -135,3 +140,21 @@ def test_scientific_notation_is_read_as_one_number(tmp_path):
     md.write_text(md.read_text().replace(f"{v:.1e}", f"{v * 1.5:.1e}"))
     [finding] = check_prose([md])
     assert "stale" in finding.problem
+
+
+def test_figures_and_book_from_an_installed_package(tmp_path):
+    """An installed wheel holds the package alone (no README, results, notebooks beside
+    it): there ``numba-sc figures`` and ``numba-sc book`` exit 2 with a one-line reason,
+    run as a reader runs them, from another folder, on a copy of the package."""
+    site = tmp_path / "site-packages"
+    shutil.copytree(Path(numba_sc.__file__).parent, site / "numba_sc", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_SC_RESULTS"}
+    env["PYTHONPATH"] = str(site)
+    for argv, says in ((["figures"], "no numba-sc checkout here"), (["book", "--out", "b"], "no notebooks in")):
+        run = subprocess.run([sys.executable, "-m", "numba_sc", *argv], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 2, (argv, run.stdout, run.stderr)
+        assert len(run.stderr.strip().splitlines()) == 1 and says in run.stderr, run.stderr
+        assert str(site) in run.stderr  # it names where it looked: the installed package's folder
+        assert "every quoted figure" not in run.stdout
+    assert not (tmp_path / "b").exists()
