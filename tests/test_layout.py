@@ -210,6 +210,10 @@ def test_the_pipeline_check_sees_a_later_folder(monkeypatch):
     _plant(monkeypatch, MODELS, "from ..train import loss")
     with pytest.raises(AssertionError, match="numba_sc.nn.models imports numba_sc.train.loss, of a later folder"):
         test_imports_follow_the_pipeline()
+    monkeypatch.undo()
+    _plant(monkeypatch, MODELS, "from .. import train")  # a package, by the relative form
+    with pytest.raises(AssertionError, match="numba_sc.nn.models imports numba_sc.train, of a later folder"):
+        test_imports_follow_the_pipeline()
 
 
 LESSON_LINES = 150  # a reader who opens a stage module meets its reference and its v1 on the first screens
