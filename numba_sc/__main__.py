@@ -4,7 +4,7 @@ demo    runs every stage on a scan and times the kernels beside the NumPy refere
 check   compares each stage's kernel with its reference and locates the first mismatch;
 ladder  runs each stage's kernels rung by rung (numba_sc.tools.ladder);
 train   fits MinkUNet42 to the labelled SemanticKITTI scan (numba_sc.train);
-figures checks every figure the prose quotes against its result file (numba_sc.tools.results);
+figures checks every figure the prose quotes against its result file (numba_sc.tools.prose);
 book    executes every notebook and renders them, with docs/, as an HTML book (numba_sc.tools.book).
 
 Without a GPU the kernels run under Numba's CUDA simulator, on a crop of the cloud.
@@ -261,14 +261,15 @@ def _run(args, argv):
 
 
 def _figures(args):
-    """Check (or, with --update, rewrite) the figures the prose quotes (numba_sc.tools.results)."""
+    """Check (or, with --update, rewrite) the figures the prose quotes (numba_sc.tools.prose)."""
     from .tools import results
-    from .tools.results import check_prose, update_prose
+    from .tools.prose import check_prose, update_prose
 
-    if not results.RESULTS_DIR.is_dir() or not (results.ROOT / "README.md").is_file():
+    folder = results.results_folder()
+    if not folder.is_dir() or not (results.ROOT / "README.md").is_file():
         # An installed wheel holds the engine, not the repository's prose and results:
         # checking nothing must not read as "every figure is right".
-        print(f"numba-sc figures: no numba-sc checkout here (no {results.RESULTS_DIR} or "
+        print(f"numba-sc figures: no numba-sc checkout here (no {folder} or "
               f"{results.ROOT / 'README.md'}): it checks a clone's prose against its benchmarks/results/; "
               "run it in a clone of the repository", file=sys.stderr)
         return 2

@@ -4,8 +4,8 @@ The project's rule for prose (README, docs, notebooks) holds for the package's o
 prose too: a measured time, ratio or rate goes stale the day a kernel changes, so a
 docstring or comment says *where* the reader finds the measurement (the recorded
 ladder, ``docs/performance.md``, ``benchmarks/README.md``, which
-:mod:`numba_sc.tools.results` checks against the result files) instead of typing it.
-What the test looks for is :data:`numba_sc.tools.results.TYPED`, the same pattern
+:mod:`numba_sc.tools.prose` checks against the result files) instead of typing it.
+What the test looks for is :data:`numba_sc.tools.prose.TYPED`, the same pattern
 the prose check uses (``12 us``, ``2.6x``, ``3 TB/s``).
 
 Code is not prose: a constant the code reads (``LAUNCH_US = 12.0``) or an f-string
@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 
 import numba_sc
-from numba_sc.tools.results import TYPED
+from numba_sc.tools.prose import TYPED
 
 PKG = Path(numba_sc.__file__).parent
 
 # They define TYPED and show examples of what it matches.
-NOT_SCANNED = {"tools/results.py", "tools/tables.py"}
+NOT_SCANNED = {"tools/results.py", "tools/tables.py", "tools/prose.py"}
 
 # Files allowed to type a figure without a marker: none. (The set stays, empty, for a
 # file that cannot be fixed at once; test_the_allowed_files_still_need_it keeps it

@@ -235,7 +235,7 @@ def test_figures_and_book_outside_a_checkout(tmp_path, monkeypatch, capsys):
     from numba_sc.tools import book, results
 
     monkeypatch.setattr(results, "ROOT", tmp_path)
-    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path / "benchmarks" / "results")
+    monkeypatch.delenv("NUMBA_SC_RESULTS", raising=False)
     assert main(["figures"]) == 2
     out, err = capsys.readouterr()
     assert "every quoted figure" not in out

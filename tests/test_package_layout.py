@@ -1,6 +1,7 @@
 """The package's layout keeps its promises: every module is importable by its path
 (no function or re-export shadows one), no module reaches into another's private
-names, and the modules import each other without a cycle."""
+names, the modules import each other without a cycle and in the pipeline's order
+(function-level imports counted), and a stage module opens with its lesson."""
 import ast
 import importlib
 import pkgutil
@@ -53,17 +54,19 @@ def _resolve(module, node):
     return target, loaded
 
 
-def _top_level_imports(tree):
-    """Import statements that run when the module is imported (not inside functions)."""
-    todo = list(tree.body)
-    while todo:
-        node = todo.pop()
+def _imports(tree):
+    """Every import statement of the module, wherever it stands: at the top, under an
+    ``if``/``try``, or inside a function (it runs when the function is called)."""
+    for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        elif isinstance(node, (ast.If, ast.Try)):
-            todo += node.body + node.orelse + getattr(node, "finalbody", [])
-            for h in getattr(node, "handlers", []):
-                todo += h.body
+
+
+def _loaded(name, node):
+    """The modules of numba_sc an import statement of ``name`` loads."""
+    if isinstance(node, ast.ImportFrom):
+        return _resolve(name, node)[1]
+    return [a.name for a in node.names if a.name in MODULES]
 
 
 def _parents(name):
@@ -102,27 +105,32 @@ def test_no_module_imports_private_names_of_another():
     assert not bad, "\n".join(bad)
 
 
-def test_no_import_cycle():
+def _edges():
+    """{module: the modules it imports}, function-level imports counted, with the
+    subpackages whose ``__init__`` runs first (the root and the module's own
+    packages excluded)."""
     edges = {name: set() for name in MODULES}
     for name, f in MODULES.items():
-        for node in _top_level_imports(ast.parse(f.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                _, loaded = _resolve(name, node)
-            else:
-                loaded = [a.name for a in node.names if a.name in MODULES]
-            for t in loaded:
+        for node in _imports(ast.parse(f.read_text())):
+            for t in _loaded(name, node):
                 for dep in _parents(t) + [t]:
                     if dep != name and dep != "numba_sc" and not name.startswith(dep + "."):
                         edges[name].add(dep)
-    state, path = {}, []
+    return edges
+
+
+def _cycles(edges):
+    """The import cycles a depth-first walk of ``edges`` meets, one per back edge, each
+    as ``a -> b -> ... -> a``."""
+    state, path, found = {}, [], []
 
     def visit(n):
         state[n] = "open"
         path.append(n)
         for m in sorted(edges[n]):
             if state.get(m) == "open":
-                raise AssertionError("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
-            if m not in state:
+                found.append(" -> ".join(path[path.index(m):] + [m]))
+            elif m not in state:
                 visit(m)
         path.pop()
         state[n] = "done"
@@ -130,18 +138,118 @@ def test_no_import_cycle():
     for n in sorted(edges):
         if n not in state:
             visit(n)
+    return found
 
 
-def test_the_cycle_check_sees_a_cycle(monkeypatch):
-    """The check above must be able to fail: a planted back edge is reported."""
+def test_no_import_cycle():
+    found = _cycles(_edges())
+    assert not found, "import cycle: " + "\nimport cycle: ".join(found)
+
+
+# The folders in the pipeline's order, low to high: a module imports modules of its own
+# folder or of a lower one, never of a later one (the package root may import anything).
+PIPELINE = ("core", "coords", "map", "gmas", "dataflows", "conv", "nn", "train", "tools", "__main__")
+
+
+def _folder(name):
+    """The pipeline folder of module ``name`` (None for the package root)."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_imports_follow_the_pipeline():
+    bad = []
+    for name, deps in sorted(_edges().items()):
+        here = _folder(name)
+        if here is None:
+            continue
+        assert here in PIPELINE, f"{name}: its folder {here!r} has no place in PIPELINE"
+        for dep in sorted(deps):
+            if any(d.startswith(dep + ".") for d in deps):
+                continue  # a package whose module is reported below
+            there = _folder(dep)
+            if here == "core" and there != "core":
+                bad.append(f"{name} imports {dep}: core imports no other folder")
+            elif PIPELINE.index(there) > PIPELINE.index(here):
+                bad.append(f"{name} imports {dep}, of a later folder ({here} < {there})")
+    assert not bad, "imports against the pipeline:\n" + "\n".join(bad)
+
+
+def _plant(monkeypatch, marker, source):
+    """Make ``ast.parse`` add ``source`` inside a new function of the module whose text
+    holds ``marker``: a function-level import the checks must see."""
     real = ast.parse
 
     def planted(src, *a, **k):
         tree = real(src, *a, **k)
-        if "Which device runs the kernels" in src:  # core/device.py imports the Map step
-            tree.body.append(ast.parse("from ..map.map_step import build_kernel_map").body[0])
+        if marker in src:
+            body = "def _planted():\n" + "".join(f"    {line}\n" for line in source.splitlines())
+            tree.body += real(body).body
         return tree
 
     monkeypatch.setattr(ast, "parse", planted)
-    with pytest.raises(AssertionError, match="import cycle"):
+
+
+DEVICE = "Which device runs the kernels"  # core/device.py's docstring
+MODELS = "The two networks of the Minuet paper's evaluation (Section 6)"  # nn/models.py
+
+
+def test_the_cycle_check_sees_a_cycle(monkeypatch):
+    """The checks above must be able to fail: a back edge planted inside a function
+    of core/device.py (which the Map step imports) is reported by both."""
+    _plant(monkeypatch, DEVICE, "from ..map.kernel_map import build_kernel_map")
+    with pytest.raises(AssertionError, match=r"import cycle: [^\n]*numba_sc\.core\.device -> numba_sc\.map"):
         test_no_import_cycle()
+    with pytest.raises(AssertionError, match="core.device imports numba_sc.map.kernel_map"):
+        test_imports_follow_the_pipeline()
+
+
+def test_the_pipeline_check_sees_a_later_folder(monkeypatch):
+    """A function-level ``from .. import x`` of a later folder is reported even where it
+    closes no cycle: nn/models.py (nothing in train imports the models) reaching into train."""
+    _plant(monkeypatch, MODELS, "from ..train import loss")
+    with pytest.raises(AssertionError, match="numba_sc.nn.models imports numba_sc.train.loss, of a later folder"):
+        test_imports_follow_the_pipeline()
+    monkeypatch.undo()
+    _plant(monkeypatch, MODELS, "from .. import train")  # a package, by the relative form
+    with pytest.raises(AssertionError, match="numba_sc.nn.models imports numba_sc.train, of a later folder"):
+        test_imports_follow_the_pipeline()
+
+
+LESSON_LINES = 150  # a reader who opens a stage module meets its reference and its v1 on the first screens
+
+
+def _lesson_problems(name, tree):
+    """Where module ``name`` (parsed) declares a module-level ``LADDER`` but does not
+    begin its first ``def *_reference`` and its first ``*_v1`` definition within
+    :data:`LESSON_LINES` lines: the idea, the reference, v1 first; the rest after."""
+    declares = any(isinstance(n, (ast.Assign, ast.AnnAssign)) and any(
+        isinstance(t, ast.Name) and t.id == "LADDER" for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
+        for n in tree.body)
+    if not declares:
+        return []
+    defs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    out = []
+    for what, test in (("*_reference", lambda d: d.name.endswith("_reference")),
+                       ("*_v1", lambda d: d.name.endswith("_v1") and len(d.name) > 3)):
+        starts = [min([d.lineno] + [x.lineno for x in d.decorator_list]) for d in defs if test(d)]
+        if not starts:
+            out.append(f"{name}: declares a LADDER but defines no {what}")
+        elif min(starts) > LESSON_LINES:
+            out.append(f"{name}: its first {what} begins at line {min(starts)}, after line {LESSON_LINES}")
+    return out
+
+
+def test_stage_modules_start_with_the_lesson():
+    bad = [p for name, f in sorted(MODULES.items()) for p in _lesson_problems(name, ast.parse(f.read_text()))]
+    assert not bad, "stage modules whose lesson does not come first:\n" + "\n".join(bad)
+
+
+def test_the_lesson_check_sees_a_late_rung():
+    """The check above must be able to fail: a v1 below line 150, a missing reference."""
+    late = "LADDER = None\n\ndef scale_reference(x):\n    return x\n" + "\n" * 200 + "@jit\ndef scale_v1(x):\n    pass\n"
+    [problem] = _lesson_problems("planted", ast.parse(late))
+    assert "first *_v1 begins at line 205" in problem
+    [problem] = _lesson_problems("planted", ast.parse("LADDER = None\n\ndef scale_v1(x):\n    pass\n"))
+    assert "defines no *_reference" in problem
+    assert _lesson_problems("planted", ast.parse(late.replace("LADDER", "OTHER"))) == []

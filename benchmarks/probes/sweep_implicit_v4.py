@@ -30,7 +30,7 @@ def main():
     ap.add_argument("--note", default="", help="what code this run measures (recorded)")
     args = ap.parse_args()
 
-    from numba_sc.core.rungs import Context
+    from numba_sc.tools.ladder import Context
     from numba_sc.dataflows import implicit_gemm as ig
     from numba_sc.tools.ladder import agreement, time_rungs
 

@@ -16,7 +16,7 @@ its reference::
 ``v1`` is the paper's algorithm as plainly as Numba allows; every later rung adds
 one thing, said in one line; the last is what the library runs.
 :mod:`numba_sc.tools.ladder` only loops over these declarations: it builds each
-workload from one shared :class:`Context`, runs every rung, compares it with the
+workload from one shared :class:`~numba_sc.tools.ladder.Context`, runs every rung, compares it with the
 reference, and on a GPU times it.
 
 Where a module teaches a second operation rung by rung, it declares that ladder
@@ -57,14 +57,13 @@ the ladder's ``rungs`` leave it out, so the highest Python rung is the last, and
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
-from .backend import to_device, to_host
+from .backend import to_host
 from .device import simulating
 
 
@@ -83,12 +82,12 @@ class Ladder:
     """One stage's ladder: its rungs in order, its workload, its reference and how to compare.
 
     ``workload(context)`` builds the arrays the rungs read (a dict) from a shared
-    :class:`Context`; ``reference(work)`` is the expected result on the host;
+    :class:`~numba_sc.tools.ladder.Context`; ``reference(work)`` is the expected result on the host;
     ``collect(result)`` turns a rung's result into the host array compared with it
     (default: the result, copied to the host); ``written(work)`` the rows of that
     array a kernel writes (default: all); ``tolerance`` the allowed error per dtype,
     relative to the largest reference value (default: exact); ``needs`` the
-    :class:`Context` fields beyond the coordinates the workload needs (a ladder whose
+    :class:`~numba_sc.tools.ladder.Context` fields beyond the coordinates the workload needs (a ladder whose
     needs are not given is left out); ``operation`` the name its rung objects carry,
     ``<operation>_v<n>`` (default: ``stage``; module docstring).
 
@@ -141,67 +140,3 @@ class Ladder:
         """Rung ``name``'s result as the host array compared with the reference."""
         res = self.run(name, work)
         return self.collect(res) if self.collect else to_host(res)
-
-
-@dataclass
-class Context:
-    """What every ladder's workload is built from: a cloud's voxel coordinates (host,
-    (N, 3) int32), the channel count and dtype of the features, and, for the ladders
-    that need them, the scan's points (voxelized at ``voxel_size`` into ``coords``)
-    and the searches' block sizes ``(B, C)`` (small blocks make a crop's search cross
-    many source blocks, as the whole scan's does).
-
-    Workloads share what they build through :meth:`memo`; contexts that differ only
-    in dtype (``dataclasses.replace(ctx, dtype=...)``) share the cache, so the map and
-    the plan are built once for both dtypes.
-    """
-
-    coords: Any
-    channels: int = 8
-    dtype: str = "float32"
-    points: Any = None
-    voxel_size: float = 0.05
-    search_blocks: tuple = (512, 1024)
-    seed: int = 0
-    cache: dict = field(default_factory=dict, repr=False)
-
-    def memo(self, key, build: Callable):
-        """``build()``, made once per ``key`` and kept in the shared cache."""
-        if key not in self.cache:
-            self.cache[key] = build()
-        return self.cache[key]
-
-    def rng(self, name: str) -> np.random.Generator:
-        """A generator seeded by the context's seed and ``name``: the same values for
-        every stage that asks by that name."""
-        return np.random.default_rng([self.seed, zlib.crc32(name.encode())])
-
-    def normal(self, name: str, shape: tuple, scale: float = 1.0):
-        """A device array of standard normal values times ``scale``, in the context's dtype."""
-        key = ("normal", name, tuple(shape), scale, self.dtype, self.seed)
-        return self.memo(key, lambda: to_device((self.rng(name).standard_normal(shape) * scale).astype(self.dtype)))
-
-    def device_coords(self):
-        """``coords`` on the device."""
-        return self.memo("coords", lambda: to_device(np.asarray(self.coords)))
-
-    def layer(self) -> dict:
-        """One 3x3x3 submanifold layer on ``coords``, its map and plan built by the
-        library's kernels: ``km`` (the kernel map, with masks), ``plan`` (its GMaS
-        plan), ``centre`` (the centre offset), ``tile`` (the tile the library would
-        pick), and, in the context's dtype, ``features`` (|P|, C), ``weight``
-        (K, C, C) and ``init`` (|Q|, C) (a centre product to add onto)."""
-        from ..gmas.autotune import heuristic_tile
-        from ..gmas.layout import submanifold_centre
-        from ..gmas.plan import build_plan
-        from ..map.map_step import build_kernel_map
-
-        def build():
-            km = build_kernel_map(self.device_coords(), 3, backend="cuda", masks=True)
-            return {"km": km, "plan": build_plan(km, backend="cuda"), "centre": submanifold_centre(km)}
-
-        shared = self.memo("layer", build)
-        n, c = len(self.coords), self.channels
-        return dict(shared, tile=heuristic_tile(c, n, np.dtype(self.dtype).itemsize),
-                    features=self.normal("features", (n, c)), init=self.normal("init", (n, c)),
-                    weight=self.normal("weight", (27, c, c), 1 / np.sqrt(c)))

@@ -2,6 +2,7 @@
 
     layers           SubMConv3d, SparseConv3d, SparseInverseConv3d, BatchNorm, ReLU, Linear,
                      Sequential, add, cat; maps kept on the tensors and reused
+    tape             Tape: records each layer's backward step in the forward pass, plays them back
     pointwise        the kernels between convolutions: BatchNorm (+ residual, + ReLU), add, concat
     models           SparseResNet21 and MinkUNet42, the two networks of the paper's evaluation
     spconv_format    weights from and to spconv's (C_out, kx, ky, kz, C_in) layout
@@ -9,7 +10,7 @@
 
 The layers are importable from here: ``numba_sc.nn.SubMConv3d``, ``numba_sc.nn.Tape``, ...
 """
-from ..train.tape import Tape
+from .tape import Tape
 from .layers import (BatchNorm, ConvLayer, Identity, Linear, Module, ReLU, Sequential, SparseConv3d,
                      SparseInverseConv3d, SubMConv3d, add, cat, current_backend, observe)
 

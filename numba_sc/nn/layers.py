@@ -63,7 +63,7 @@ from ..core import conventions as cv
 from ..gmas import gemm_grouping as gg
 from . import pointwise as pw
 from . import maps_up_front
-from ..train.tape import add_param_grad, current_tape
+from .tape import add_param_grad, current_tape
 from ..core.device import array_module, require_device
 from ..core.backend import like, resolve_backend, to_device, to_host
 from ..train.conv_gradient import sparse_conv3d_backward

@@ -55,7 +55,6 @@ frequent device operations; ``benchmarks/results/timeline_unet42.json``).
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import numpy as np
 from numba import cuda, float32, uint64
@@ -63,8 +62,9 @@ from numba import cuda, float32, uint64
 from ..core.device import device_xp
 from ..core.backend import resolve_backend, to_device, to_host
 from ..core import conventions as cv
-from ..core.launch import launch
+from ..core.launch import THREADS, blocks_for, launch
 from ..core.rungs import Ladder, Rung
+from ..core.state import cached, remember
 
 def _check_pair(a, b, name_a, name_b, same_channels=True, backend=None):
     cv.check_features(a, name_a, backend)
@@ -149,7 +149,7 @@ def batch_norm_v1(x, weight, bias, mean, var, eps, residual, has_residual, relu,
         out[i, c] = v  # (the store rounds to float16 for half-precision features)
 
 
-@lru_cache(maxsize=None)
+@cached
 def batch_norm_v2(channels: int):
     """:func:`batch_norm_v1` compiled for one channel count, with fast math.
 
@@ -175,7 +175,7 @@ def batch_norm_v2(channels: int):
     C = np.uint64(channels)
 
     @cuda.jit(fastmath=True)
-    def batch_norm(x, weight, bias, mean, var, eps, residual, has_residual, relu, out):
+    def batch_norm_v2_kernel(x, weight, bias, mean, var, eps, residual, has_residual, relu, out):
         t = uint64(cuda.grid(1))
         if t < uint64(x.shape[0]) * C:
             i = t // C
@@ -187,7 +187,7 @@ def batch_norm_v2(channels: int):
                 v = float32(0.0)
             out[i, c] = v
 
-    return batch_norm
+    return batch_norm_v2_kernel
 
 
 @cuda.jit
@@ -269,15 +269,18 @@ def batch_norm(x, weight, bias, mean, var, eps=1e-5, residual=None, relu=False, 
 
 def batch_norm_rung(rung: str, x, weight, bias, mean, var, eps=1e-5, residual=None, relu=False):
     """Run one rung of BatchNorm's ladder on device arrays: ``"v1"`` the plain
-    kernel, ``"v2"`` the library's (:func:`batch_norm_v2`)."""
+    kernel, launched the way Numba teaches (``kernel[blocks, threads](...)``), ``"v2"``
+    the library's (:func:`batch_norm_v2`), through the library's launcher."""
     if rung not in LADDER.names:
         raise ValueError(f"rung must be one of {LADDER.names}, got {rung!r}")
     xd = to_device(x)
     out = device_xp().empty(xd.shape, xd.dtype)
-    kernel = batch_norm_v1 if rung == "v1" else batch_norm_v2(xd.shape[1])
     res = xd if residual is None else to_device(residual)  # (not read without a residual)
-    launch(kernel, xd.size, xd, _f32(weight), _f32(bias), _f32(mean), _f32(var), float(eps), res,
-           residual is not None, bool(relu), out)
+    args = (xd, _f32(weight), _f32(bias), _f32(mean), _f32(var), float(eps), res, residual is not None, bool(relu), out)
+    if rung == "v1":
+        batch_norm_v1[blocks_for(xd.size, THREADS), THREADS](*args)
+    else:
+        launch(batch_norm_v2(xd.shape[1]), xd.size, *args)
     return out
 
 
@@ -466,7 +469,11 @@ def batch_norm_backward_v1(g, x, y, weight, mean, var, eps=1e-5, relu=False, tra
     gd, xd, yd = to_device(g), to_device(x), to_device(y)
     mean, var, weight = _f32(mean), _f32(var), _f32(weight)
     inv_std = (1.0 / xp.sqrt(var + np.float32(eps))).astype(np.float32)
-    gm = relu_backward(gd, yd) if relu else gd  # the gradient past the ReLU
+    blocks = blocks_for(gd.size, THREADS)
+    gm = gd  # the gradient past the ReLU
+    if relu:
+        gm = xp.empty(gd.shape, gd.dtype)
+        relu_backward_kernel[blocks, THREADS](gd, yd, gm)
     gf = gm.astype(np.float32, copy=False)
     dbias = column_sums(gf)
     dweight = column_sums(gf * ((xd.astype(np.float32, copy=False) - mean) * inv_std))
@@ -474,8 +481,8 @@ def batch_norm_backward_v1(g, x, y, weight, mean, var, eps=1e-5, relu=False, tra
     zero = xp.zeros_like(dbias)
     a, b = (dbias / np.float32(n), dweight / np.float32(n)) if training else (zero, zero)
     out = xp.empty(gd.shape, gd.dtype)
-    launch(batch_norm_backward_kernel, gd.size, gd, xd, yd, bool(relu), (weight * inv_std).astype(np.float32),
-           mean, inv_std, a.astype(np.float32), b.astype(np.float32), out)
+    batch_norm_backward_kernel[blocks, THREADS](gd, xd, yd, bool(relu), (weight * inv_std).astype(np.float32),
+                                                mean, inv_std, a.astype(np.float32), b.astype(np.float32), out)
     return out, dweight, dbias, gm
 
 
@@ -580,7 +587,7 @@ def batch_norm_backward_total_v2(partials, rows, sums):
         sums[partials.shape[1]] = float32(rows)
 
 
-@lru_cache(maxsize=None)
+@cached
 def batch_norm_backward_input_v2(channels: int):
     """Kernel B, compiled for one channel count with fast math (as :func:`batch_norm_v2`):
     one thread per value, ``dx = weight * inv_std * (g' - a - xhat * b)`` with ``a =
@@ -590,8 +597,8 @@ def batch_norm_backward_input_v2(channels: int):
     C = np.uint64(channels)
 
     @cuda.jit(fastmath=True)
-    def batch_norm_backward_input(g, x, y, relu, weight, mean, var, eps, sums, training, out, masked,
-                                  write_masked):
+    def batch_norm_backward_input_v2_kernel(g, x, y, relu, weight, mean, var, eps, sums, training, out, masked,
+                                            write_masked):
         t = uint64(cuda.grid(1))
         if t < uint64(g.shape[0]) * C:
             i = t // C
@@ -609,7 +616,7 @@ def batch_norm_backward_input_v2(channels: int):
                 v = gv - sums[c] / n - xhat * (sums[C + c] / n)
             out[i, c] = weight[c] * inv_std * v
 
-    return batch_norm_backward_input
+    return batch_norm_backward_input_v2_kernel
 
 
 def batch_norm_backward_sums(g, x, y, mean, var, eps=1e-5, relu=False):
@@ -739,7 +746,7 @@ def _statistics_pass(xd, mean):
     return column_sums_and_total(batch_statistics_sums, *xd.shape, xd, mean)
 
 
-_ZEROS = {}
+_ZEROS = remember({})
 
 
 def _zeros(c):

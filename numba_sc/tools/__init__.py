@@ -11,7 +11,8 @@ For the lessons (the notebooks and the book):
 
     lesson      a rung's code, the diff to the next rung, what it bought (recorded)
     exercises   the notebooks' exercises: a checker each, against the stage's reference
-    results     one source for every number: the recorded results and the prose that quotes them
+    results     one source for every number: the recorded results, read and quoted
     tables      markdown tables made from the result files
+    prose       every figure the prose quotes checked against its result file (numba-sc figures)
     book        every notebook executed and rendered, with docs/, as an HTML book
 """

@@ -24,7 +24,7 @@ A module's ``LADDER`` is named after the module, a further ladder after the
 operation it climbs (:mod:`numba_sc.core.rungs`); ``python -m numba_sc ladder
 --list`` prints them, in the pipeline's order, with what each rung adds, and
 ``python -m numba_sc ladder NAME ...`` runs the ones named. Each builds its workload
-from one shared :class:`~numba_sc.core.rungs.Context` (the cloud's coordinates, and
+from one shared :class:`Context` (the cloud's coordinates, and
 the scan's points for ``voxelization``); most of them run on one 3x3x3 submanifold
 layer on the cloud, its map and plan built by the kernels. The
 GEMM grouping (stage 9) has one kernel of its own, ``take_weights_kernel`` (a
@@ -39,13 +39,20 @@ import importlib
 import json
 import sys
 import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 
 from ..core.device import device_name, gpu_present, simulating
+from ..core.backend import to_device
 from ..core.files import write_text
-from ..core.rungs import Context, Ladder
-from ..gmas.autotune import gpu_time_once
+from ..core.rungs import Ladder
+from ..gmas.autotune import gpu_time_once, heuristic_tile
+from ..gmas.layout import submanifold_centre
+from ..gmas.plan import build_plan
+from ..map.map_step import build_kernel_map
 
 __all__ = ["Context", "RECORDED_NAMES", "STAGES", "agreement", "agrees", "check_rungs", "ladder_modules",
            "ladders", "list_ladders", "module_ladders", "plot_recorded", "run_ladder", "time_rungs"]
@@ -72,6 +79,65 @@ STAGES = (
 RECORDED_NAMES = {"voxelize": "voxelization", "outcoords": "output_coords", "backward": "backward_search",
                   "search": "forward_search", "batchnorm": "pointwise", "fetch": "fetch_on_demand",
                   "implicit": "implicit_gemm"}
+
+
+@dataclass
+class Context:
+    """What every ladder's workload is built from: a cloud's voxel coordinates (host,
+    (N, 3) int32), the channel count and dtype of the features, and, for the ladders
+    that need them, the scan's points (voxelized at ``voxel_size`` into ``coords``)
+    and the searches' block sizes ``(B, C)`` (small blocks make a crop's search cross
+    many source blocks, as the whole scan's does).
+
+    Workloads share what they build through :meth:`memo`; contexts that differ only
+    in dtype (``dataclasses.replace(ctx, dtype=...)``) share the cache, so the map and
+    the plan are built once for both dtypes.
+    """
+
+    coords: Any
+    channels: int = 8
+    dtype: str = "float32"
+    points: Any = None
+    voxel_size: float = 0.05
+    search_blocks: tuple = (512, 1024)
+    seed: int = 0
+    cache: dict = field(default_factory=dict, repr=False)
+
+    def memo(self, key, build: Callable):
+        """``build()``, made once per ``key`` and kept in the shared cache."""
+        if key not in self.cache:
+            self.cache[key] = build()
+        return self.cache[key]
+
+    def rng(self, name: str) -> np.random.Generator:
+        """A generator seeded by the context's seed and ``name``: the same values for
+        every stage that asks by that name."""
+        return np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+
+    def normal(self, name: str, shape: tuple, scale: float = 1.0):
+        """A device array of standard normal values times ``scale``, in the context's dtype."""
+        key = ("normal", name, tuple(shape), scale, self.dtype, self.seed)
+        return self.memo(key, lambda: to_device((self.rng(name).standard_normal(shape) * scale).astype(self.dtype)))
+
+    def device_coords(self):
+        """``coords`` on the device."""
+        return self.memo("coords", lambda: to_device(np.asarray(self.coords)))
+
+    def layer(self) -> dict:
+        """One 3x3x3 submanifold layer on ``coords``, its map and plan built by the
+        library's kernels: ``km`` (the kernel map, with masks), ``plan`` (its GMaS
+        plan), ``centre`` (the centre offset), ``tile`` (the tile the library would
+        pick), and, in the context's dtype, ``features`` (|P|, C), ``weight``
+        (K, C, C) and ``init`` (|Q|, C) (a centre product to add onto)."""
+        def build():
+            km = build_kernel_map(self.device_coords(), 3, backend="cuda", masks=True)
+            return {"km": km, "plan": build_plan(km, backend="cuda"), "centre": submanifold_centre(km)}
+
+        shared = self.memo("layer", build)
+        n, c = len(self.coords), self.channels
+        return dict(shared, tile=heuristic_tile(c, n, np.dtype(self.dtype).itemsize),
+                    features=self.normal("features", (n, c)), init=self.normal("init", (n, c)),
+                    weight=self.normal("weight", (27, c, c), 1 / np.sqrt(c)))
 
 
 def module_ladders(module) -> list:

@@ -40,7 +40,7 @@ from ..core.backend import like, to_host
 from ..core.device import gpu_present, simulating
 from ..core.tensor import SparseTensor
 from ..nn.layers import Module
-from ..train.tape import Tape
+from ..nn.tape import Tape
 
 __all__ = ["gradients", "GradientReport", "ParameterDistance", "PATHS"]
 

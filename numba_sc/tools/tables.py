@@ -8,7 +8,7 @@ file and the call that makes it::
     | network | cloud (voxels) | ... |
     <!-- /table -->
 
-:func:`numba_sc.tools.results.check_prose` makes the table again from the file and
+:func:`numba_sc.tools.prose.check_prose` makes the table again from the file and
 reports it if the text differs; ``numba-sc figures --update`` writes it again. A
 notebook prints the same table with ``print(tables.network_table(results.load("net_scans")))``.
 """

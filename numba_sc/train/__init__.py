@@ -1,8 +1,7 @@
-"""Training: the backward pass of every layer, the tape that plays it, losses, optimizers, the loop.
+"""Training: the convolution's backward pass, losses, optimizers, the loop.
 
     conv_gradient   the gradient of a sparse convolution (input: the transposed layer on the
                     same plan; weight: one batched GEMM per group of offsets)
-    tape            Tape: records each layer's backward step in the forward pass, plays them back
     loss            cross-entropy and its gradient
     optim           SGD and AdamW, in place; learning-rate schedules
     labels          SemanticKITTI's label ids, classes, per-voxel labels and scores

@@ -99,6 +99,7 @@ import numpy as np
 from ..core import conventions as cv
 from ..core.backend import like, to_host
 from ..core.device import array_module, gpu_present, simulating
+from ..core.state import remember
 from ..core.tensor import SparseTensor
 from .labels import load_semantickitti_labels
 
@@ -513,7 +514,7 @@ def collate_items(items, indices=None) -> Batch:
 
 # ------------------------------------------------------------------ loading
 _IN_LOADER = threading.local()  # .thread is True in a Loader's own worker and collate threads
-_STREAMS = {}  # device id -> the stream the loader threads of this process prepare on
+_STREAMS = remember({})  # device id -> the stream the loader threads of this process prepare on
 _STREAMS_LOCK = threading.Lock()
 
 

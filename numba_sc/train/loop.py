@@ -2,7 +2,7 @@
 
 One step is four calls, each a module of this library::
 
-    with nn.Tape() as tape:                      # record each layer's backward (numba_sc.train.tape)
+    with nn.Tape() as tape:                      # record each layer's backward (numba_sc.nn.tape)
         y = model(x)                             # forward, BatchNorm on the batch's statistics
     loss, g = cross_entropy(y.features, target)  # the loss and dL/dy (numba_sc.train.loss)
     grads = tape.backward(y, g)                  # every layer's backward kernels, last to first
@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from . import labels as lb
-from .tape import Tape
+from ..nn.tape import Tape
 from ..core.device import gpu_present, simulating
 from ..core.backend import resolve_backend, to_device, to_host
 from ..core.conventions import check_finite_points, whole_number

@@ -35,7 +35,7 @@ from .labels import IGNORE_INDEX
 from .loop import train_step
 from .loss import cross_entropy
 from .parallel import BUCKET_BYTES, GradientBuckets, Solo, broadcast_parameters, sync_batchnorm
-from .tape import Tape
+from ..nn.tape import Tape
 from ..core.backend import like, to_host
 from ..core.device import array_module
 

@@ -225,7 +225,7 @@ def test_batch_norm_backward_sums_see_every_row_and_channel():
 def test_batch_norm_backward_ladder():
     """The backward's ladder declaration: both rungs within its tolerance of its
     reference (relative to the largest value), on a tiny crop."""
-    from numba_sc.core.rungs import Context
+    from numba_sc.tools.ladder import Context
 
     ladder = pw.BACKWARD_LADDER
     assert ladder.names == ("v1", "v2")

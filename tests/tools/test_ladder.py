@@ -13,7 +13,8 @@ import numba_sc as ns
 from numba_sc.coords import output_coords as oc
 from numba_sc.coords import voxelization as vx
 from numba_sc.core.backend import to_device, to_host
-from numba_sc.core.rungs import Context, Ladder
+from numba_sc.core.rungs import Ladder
+from numba_sc.tools.ladder import Context
 from numba_sc.dataflows import fetch_on_demand as fod
 from numba_sc.dataflows import implicit_gemm as ig
 from numba_sc.gmas import gather as ga

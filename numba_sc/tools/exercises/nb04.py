@@ -144,7 +144,7 @@ def _padded_with_zero(skeys, qkeys, deltas, rows, table):
 def forward_work():
     """The forward search ladder's workload on the crop (keys, deltas, the balanced rows of
     all 27 segments, made by the backward search's kernel) and its reference table."""
-    from ...core.rungs import Context
+    from ..ladder import Context
     from ...map import forward_search as fs
 
     ctx = Context(kitti_crop(), search_blocks=(EXERCISE_B, EXERCISE_C))
