@@ -109,4 +109,5 @@ def test_checkers_launch_kernels_as_numba_teaches():
                 names = {a.name for a in node.names}
                 assert "launch" not in names, f"{source.name} imports core.launch.launch"
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-                assert node.func.id not in ("launch", "launch_on_gpu"), f"{source.name}:{node.lineno} calls {node.func.id}"
+                called = node.func.id
+                assert called not in ("launch", "launch_on_gpu"), f"{source.name}:{node.lineno} calls {called}"
