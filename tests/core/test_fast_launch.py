@@ -95,6 +95,7 @@ def _add_one(a, out):
         out[i] = a[i] + 1
 
 
+@pytest.mark.skipif(not device.simulating(), reason="the simulator stands in for a numba-cuda without them")
 def test_launch_works_with_the_fast_path_off(monkeypatch):
     """The GPU's launch path, run by the simulator (stream 0): the simulator's driver has
     no ``_to_core_stream`` (nor the dispatcher a ``_Kernel``), so the launcher finds

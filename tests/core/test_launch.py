@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from numba_sc.core import launch as launching
+from numba_sc.core import device, launch as launching
 from numba_sc.core.launch import SIMULATOR_SWITCH_INTERVAL, THREADS, blocks_for, launch, simulator_pace
 
 
@@ -51,6 +51,7 @@ def test_launch_of_nothing_launches_nothing():
     assert (out == 7).all()
 
 
+@pytest.mark.skipif(not device.simulating(), reason="a no-op on a GPU")
 def test_simulator_pace_sets_and_restores_the_switch_interval():
     before = sys.getswitchinterval()
     sys.setswitchinterval(0.004)
@@ -62,6 +63,7 @@ def test_simulator_pace_sets_and_restores_the_switch_interval():
         sys.setswitchinterval(before)
 
 
+@pytest.mark.skipif(not device.simulating(), reason="the simulator's launch path")
 def test_the_library_launch_is_the_plain_launch_under_the_simulator(monkeypatch):
     """Under the simulator nothing is handed to the fast path."""
     monkeypatch.setattr(launching.fast_launch, "launch_on_gpu", lambda *a: pytest.fail("fast path called"))

@@ -2,10 +2,11 @@
 import numpy as np
 import pytest
 
-from numba_sc.core import pieces
+from numba_sc.core import device, pieces
 from numba_sc.core.state import STATE, clear_caches
 
 
+@pytest.mark.skipif(not device.simulating(), reason="a Piece, not a view, on a GPU")
 def test_piece_under_the_simulator_is_a_view_of_the_base():
     base = np.zeros(64, np.uint8)
     p = pieces.piece(base, 8, (2, 3), np.int32)
@@ -43,6 +44,7 @@ def test_rebased_and_template_move_a_layout():
     assert pieces.as_array(np.zeros(2)).shape == (2,)
 
 
+@pytest.mark.skipif(not device.simulating(), reason="pieces of NumPy arrays: the simulator's")
 def test_dtypes_memo_is_registered():
     pieces.piece(np.zeros(8, np.uint8), 0, (2,), "int32")
     assert any(c is pieces._DTYPES for c in STATE.caches) and "int32" in pieces._DTYPES
