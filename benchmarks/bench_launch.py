@@ -32,7 +32,7 @@ def main():
     import cupy
     from numba import cuda
 
-    from numba_sc.core import launch as launching
+    from numba_sc.core import fast_launch
     from numba_sc.core.launch import launch
 
     @cuda.jit
@@ -42,11 +42,11 @@ def main():
             out[i] = 2.0 * x[i] + y[i]
 
     def through_core():  # the fast path with cuda.core.launch instead of cuLaunchKernel
-        launching._FAST.raw = False
+        fast_launch.FAST.raw = False
         try:
             launch(axpy, n, x, y, out)
         finally:
-            launching._FAST.raw = True
+            fast_launch.FAST.raw = True
 
     n = 1 << 16
     x, y, out = (cupy.ones(n, cupy.float32) for _ in range(3))

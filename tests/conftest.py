@@ -123,3 +123,14 @@ def pytest_configure(config):
     # Added here, not in pyproject.toml: naming a numba warning class there makes
     # pytest import numba before this file has switched the simulator on.
     config.addinivalue_line("filterwarnings", "ignore::numba.core.errors.NumbaPerformanceWarning")
+    if os.environ["NUMBA_ENABLE_CUDASIM"] == "1":
+        # The simulator runs each CUDA thread as a Python thread: a short switch interval
+        # makes a block several times faster. The library's own launches set it around
+        # each launch (core.launch.simulator_pace); the plain launches of lessons,
+        # exercises and lower rungs (kernel[blocks, threads](...)) do not, so the test
+        # session sets it once, for all of them.
+        import sys
+
+        from numba_sc.core.launch import SIMULATOR_SWITCH_INTERVAL
+
+        sys.setswitchinterval(SIMULATOR_SWITCH_INTERVAL)

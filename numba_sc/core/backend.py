@@ -21,7 +21,9 @@ from __future__ import annotations
 import numpy as np
 
 from .device import device_xp, gpu_present, is_cupy, simulating
+from .fast_launch import c_contiguous_reader
 from .pieces import Piece
+from .state import remember
 
 BACKENDS = ("cuda", "reference")
 
@@ -50,17 +52,19 @@ def to_device(a):
     """
     if a is None or type(a) is Piece:
         return a  # (a piece is device memory, contiguous, already)
-    if type(a) in _CONTIGUOUS_DEVICE_TYPES and a._c_contiguous:
+    contiguous = _CONTIGUITY.get(type(a))
+    if contiguous is not None and contiguous(a):
         return a  # a CuPy array already: the common case, no library call (host time saved)
     xp = device_xp()
     a = xp.asarray(a)
-    if xp is not np and not _CONTIGUOUS_DEVICE_TYPES:
-        _CONTIGUOUS_DEVICE_TYPES.add(xp.ndarray)
+    if xp is not np and not _CONTIGUITY:
+        _CONTIGUITY[xp.ndarray] = c_contiguous_reader(xp.ndarray)
     # (not ascontiguousarray unconditionally: it turns a 0-d array into a 1-d one)
     return a if a.flags.c_contiguous else xp.ascontiguousarray(a)
 
 
-_CONTIGUOUS_DEVICE_TYPES = set()  # CuPy's ndarray, once seen (whose _c_contiguous flag is cheap to read)
+# CuPy's ndarray, once seen -> how to read its contiguity cheaply (core/fast_launch.py knows CuPy's flag)
+_CONTIGUITY = remember({})
 
 
 def filled(shape, dtype, value):
@@ -84,7 +88,18 @@ def filled(shape, dtype, value):
     return a
 
 
-_STAGING = []  # (pinned host buffer, event after its copy): kept alive until the copy is done
+class _InFlight(list):
+    """(pinned host buffer, event after its copy) pairs, kept alive until their copy is
+    done; cleared (``numba_sc.clear_caches``) only after waiting for every copy, as a
+    buffer freed under a running copy would be overwritten mid-copy."""
+
+    def clear(self):
+        for _buf, done in self:
+            done.synchronize()
+        super().clear()
+
+
+_STAGING = remember(_InFlight())
 
 
 def to_device_async(host):

@@ -12,6 +12,8 @@ import importlib.util
 import numpy as np
 from numba import config, cuda
 
+from .state import cached
+
 try:  # numba-cuda keeps its own config (newer releases); older ones share numba's
     from numba.cuda.core import config as numba_cuda_config
 except ImportError:  # pragma: no cover
@@ -28,25 +30,22 @@ def simulating() -> bool:
     return bool(numba_cuda_config.ENABLE_CUDASIM)
 
 
-_GPU_PRESENT = None
-
-
 def gpu_present() -> bool:
     """True when a real CUDA device can run kernels (the simulator does not count).
 
-    Asked once per process: every layer resolves its backend, and asking the
-    driver each time costs host time on the hot path.
+    Asked once per process (:func:`_driver_has_gpu` is remembered): every layer
+    resolves its backend, and asking the driver each time costs host time on the
+    hot path.
     """
-    global _GPU_PRESENT
-    if simulating():
-        return False
-    if _GPU_PRESENT is None:
-        try:
-            _GPU_PRESENT = bool(cuda.is_available())
-        except Exception:  # a broken driver is as good as no GPU
-            _GPU_PRESENT = False
-    return _GPU_PRESENT
+    return False if simulating() else _driver_has_gpu()
 
+
+@cached
+def _driver_has_gpu() -> bool:
+    try:
+        return bool(cuda.is_available())
+    except Exception:  # a broken driver is as good as no GPU
+        return False
 
 
 def is_cupy(a) -> bool:

@@ -14,6 +14,7 @@ import threading
 import numpy as np
 
 from .device import simulating
+from .state import remember
 
 
 class Piece:
@@ -24,7 +25,8 @@ class Piece:
     small arrays (flags, counters, scratch). Made from one allocation, as
     pieces, they cost a Python object each (the figures:
     ``docs/performance.md``, "Memory without host round trips"). A piece is only
-    ever handed to :func:`numba_sc.core.launch.launch` (whose fast path reads its
+    ever handed to :func:`numba_sc.core.launch.launch` (whose fast path,
+    :class:`numba_sc.core.fast_launch.FastLauncher`, knows the class and reads its
     fields directly; Numba's dispatcher reads ``__cuda_array_interface__``) or read back with
     ``get()``; it keeps its base array alive. Under the simulator
     :func:`piece` returns plain NumPy views instead.
@@ -32,7 +34,6 @@ class Piece:
 
     __slots__ = ("base", "offset", "ptr", "shape", "strides", "dtype", "size", "itemsize", "ndim", "flat", "sig",
                  "__weakref__")
-    _c_contiguous = True
 
     def __init__(self, base, offset, shape, dtype):
         self.base, self.offset, self.ptr = base, offset, base.data.ptr + offset
@@ -156,5 +157,5 @@ def piece(base, offset, shape, dtype):
     return Piece(base, offset, shape, dtype)
 
 
-_DTYPES = {}
+_DTYPES = remember({})  # dtype argument -> np.dtype (np.dtype() costs host time)
 _READS = threading.local()  # (slot, device) -> this thread's pinned buffer, its address and event

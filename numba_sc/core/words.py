@@ -39,13 +39,12 @@ Worked example, one fp16 word holding channels ``[1.0, -2.0, 0.5, 0.0]``::
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 from numba import cuda, float32, int16, int32, int64, uint64
 
 from .device import simulating
 from .pieces import piece, piece_template
+from .state import cached
 
 
 def word_view(itemsize: int, tile: int):
@@ -60,7 +59,7 @@ def word_view(itemsize: int, tile: int):
     return None, tile
 
 
-@lru_cache(maxsize=None)
+@cached
 def row_words(itemsize: int, tile: int, channels: int):
     """``(word, tile, per_row)`` for rows of ``channels`` channels of ``itemsize``
     bytes cut into tiles of ``tile`` channels: :func:`word_view`'s word and tile,
@@ -85,7 +84,7 @@ def as_words(a, rows: int, per_row: int, word):
     return t.rebased(a)
 
 
-@lru_cache(maxsize=1024)
+@cached(maxsize=1024)
 def _words_template(rows, per_row, word):
     # A piece of no allocation yet, moved into each new array: about half the host
     # time of a new piece (docs/performance.md, "core/"), and a layer asks for the

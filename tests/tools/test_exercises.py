@@ -94,3 +94,20 @@ def test_unanswered_is_not_checked(capsys):
 def test_unknown_exercise_is_named():
     with pytest.raises(KeyError, match="no exercise '99.9'"):
         exercises.check("99.9", lambda: None)
+
+
+def test_checkers_launch_kernels_as_numba_teaches():
+    """A checker launches a student's kernel as ``kernel[blocks, threads](...)``, never
+    through the library's launcher (``numba_sc.core.launch.launch``: its fast path is the
+    library's, not the lesson's)."""
+    import ast
+
+    folder = Path(exercises.__file__).parent
+    for source in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("core.launch"):
+                names = {a.name for a in node.names}
+                assert "launch" not in names, f"{source.name} imports core.launch.launch"
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                called = node.func.id
+                assert called not in ("launch", "launch_on_gpu"), f"{source.name}:{node.lineno} calls {called}"

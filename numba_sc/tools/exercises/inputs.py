@@ -9,10 +9,11 @@ same kind of data), so a student without the scans can still check an answer.
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+
+from ...core.state import cached
 
 __all__ = ["SCAN", "VOXEL", "centre_crop", "crop_voxels", "data_folder", "scan_crop", "scan_points"]
 
@@ -32,7 +33,7 @@ def data_folder(required: bool = False):
     return None
 
 
-@lru_cache(maxsize=None)
+@cached
 def scan_points() -> np.ndarray:
     """float32 (N, 4): the scan's points and remission, or the synthetic street's points
     and intensity when the scan is not there."""
@@ -66,7 +67,7 @@ def crop_voxels(n_points: int, seed: int = 0) -> np.ndarray:
     return voxelize(np.ascontiguousarray(crop[:, :3]), VOXEL, backend="reference").coords
 
 
-@lru_cache(maxsize=None)
+@cached
 def centre_crop(n_points: int) -> np.ndarray:
     """int32 (M, 3): the voxels of the ``n_points`` points around the middle of the scan
     (:func:`numba_sc.tools.check.crop_points`), in the scan's own coordinates."""

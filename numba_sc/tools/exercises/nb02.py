@@ -4,8 +4,9 @@
 reduction of ``voxelization_v1`` for another operation (the voxel's maximum, by
 atomics), 2.3 writes Eq. 1 as a kernel. Each runs on a crop of a real scan moved to
 the origin, so coordinates of both signs occur, and is compared with the stage's NumPy
-reference. The kernels are launched the way the ladder's rungs launch theirs
-(:func:`numba_sc.core.launch.launch`, one thread per element).
+reference. The kernels are launched the way Numba teaches, as the ladder's plain rungs
+are: ``kernel[blocks, threads](...)``, one thread per element
+(:func:`numba_sc.core.launch.blocks_for`).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from numba import cuda
 
 from ...coords.output_coords import output_coordinates_reference
 from ...coords.voxelization import atomic_reduce_v1, voxelize_reference
-from ...core.launch import launch
+from ...core.launch import THREADS, blocks_for, simulator_pace
 from . import ExerciseFailed, exercise, expect_equal
 from .inputs import VOXEL, crop_voxels, scan_crop
 
@@ -60,7 +61,8 @@ def check_voxel_max_kernel(voxel_max_kernel):
     points, features = np.ascontiguousarray(crop[:, :3]), np.ascontiguousarray(crop)  # x, y, z, remission
     ref = voxelize_reference(points, VOXEL, features=features, reduce="max")
     out = np.full(ref.features.shape, -np.inf)  # the neutral element of max
-    launch(voxel_max_kernel, features.size, features, np.asarray(ref.inverse), out)
+    with simulator_pace():
+        voxel_max_kernel[blocks_for(features.size), THREADS](features, np.asarray(ref.inverse), out)
     expect_equal(out.astype(np.float32), ref.features, "out[m, c] (voxel m's largest value of channel c)")
 
 
@@ -83,7 +85,8 @@ def check_snap_kernel(snap_kernel):
     coords = crop_voxels(200, seed=5)
     for stride in (2, 4):
         out = np.full_like(coords, 12345)
-        launch(snap_kernel, len(coords), coords, stride, out)
+        with simulator_pace():
+            snap_kernel[blocks_for(len(coords)), THREADS](coords, stride, out)
         got = np.unique(out, axis=0)  # unique rows, sorted lexicographically: the library's order
         expect_equal(got, output_coordinates_reference(coords, stride),
                      f"Q at stride {stride} (unique snapped coordinates, sorted)")

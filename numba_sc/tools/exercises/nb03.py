@@ -13,7 +13,7 @@ import numpy as np
 from numba import cuda
 
 from ...core.conventions import kernel_offsets, key_delta, pack_keys
-from ...core.launch import launch
+from ...core.launch import THREADS, blocks_for, simulator_pace
 from ...map.kernel_map import build_kernel_map_reference
 from ...map.query_segments import query_segments_reference
 from . import ExerciseFailed, exercise, expect_equal
@@ -77,6 +77,7 @@ def check_search_kernel(search_kernel):
     keys = pack_keys(coords, reach_lo=offsets.min(axis=0), reach_hi=offsets.max(axis=0))
     deltas = key_delta(offsets)
     table = np.full((len(offsets), len(keys)), -2, np.int32)  # -2: a query no thread answered
-    launch(search_kernel, table.size, keys, keys, deltas, table)
+    with simulator_pace():
+        search_kernel[blocks_for(table.size), THREADS](keys, keys, deltas, table)
     expected = build_kernel_map_reference(coords, 3).table
     expect_equal(table, expected, "table[k, i] (the row of the input at output i + offset k, or -1)")

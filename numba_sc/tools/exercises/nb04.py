@@ -11,11 +11,10 @@ blocks and its last one is short, as on the whole scan.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 from numba import cuda, int64
 
+from ...core.state import cached
 from . import ExerciseFailed, exercise, expect_equal
 from .inputs import centre_crop
 
@@ -23,7 +22,7 @@ EXERCISE_B = 32  # the source block of the exercises (4.3's kernel sizes its sha
 EXERCISE_C = 48  # the largest balanced block of 4.3's launch (a few dozen thread blocks)
 
 
-@lru_cache(maxsize=None)
+@cached
 def kitti_crop(n_points: int = 170) -> np.ndarray:
     """The voxel coordinates (0.05 m, sorted) of the ``n_points`` points of the scan nearest
     its centre: a patch of ground (170 points give 105 voxels: four source blocks of
@@ -31,7 +30,7 @@ def kitti_crop(n_points: int = 170) -> np.ndarray:
     return centre_crop(n_points)
 
 
-@lru_cache(maxsize=None)
+@cached
 def crop_keys():
     """The crop's packed keys (sorted: source array and queries of a submanifold layer)
     and the key deltas of a 3x3x3 kernel, the centre's (0) among them."""
@@ -140,7 +139,7 @@ def _padded_with_zero(skeys, qkeys, deltas, rows, table):
             table[k, i] = first + lo
 
 
-@lru_cache(maxsize=None)
+@cached
 def forward_work():
     """The forward search ladder's workload on the crop (keys, deltas, the balanced rows of
     all 27 segments, made by the backward search's kernel) and its reference table."""
@@ -162,12 +161,13 @@ def check_forward(forward_search_kernel):
     map. The simulator runs each CUDA thread as a Python thread, so the check searches
     the first 14 segments of the 3x3x3 layer (those the library searches), not all 27."""
     from ...core.backend import filled, to_host
-    from ...core.launch import launch
+    from ...core.launch import simulator_pace
 
     work, reference = forward_work()
     segs = work["half"]
     h = segs["deltas"].shape[0]
     table = filled(work["table_shape"], np.int32, -1)
-    launch(forward_search_kernel, segs["grid"], work["keys"], work["keys"], segs["deltas"], segs["rows"], table,
-           threads=work["threads"], blocks=segs["grid"])
+    with simulator_pace():
+        forward_search_kernel[segs["grid"], work["threads"]](work["keys"], work["keys"], segs["deltas"],
+                                                             segs["rows"], table)
     expect_equal(to_host(table)[:h], reference[:h], "table[k, i] (segment k, query i; -1: no input there)")

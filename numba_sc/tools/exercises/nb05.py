@@ -15,11 +15,10 @@ simulator, and compares the answer with the library's reference.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 from numba import cuda, float32
 
+from ...core.state import cached
 from . import ExerciseFailed, exercise, expect_equal
 from .inputs import centre_crop
 
@@ -27,7 +26,7 @@ CROP_POINTS = 200  # about 130 voxels at 5 cm: a few hundred threads a launch un
 
 
 # ------------------------------------------------------------------ the inputs
-@lru_cache(maxsize=None)
+@cached
 def crop_coords(n_points: int = CROP_POINTS):
     """Voxel coordinates (5 cm) of the ``n_points`` points around the middle of the
     SemanticKITTI scan ($NUMBA_SC_DATA, else ``shared/data`` beside the checkout),
@@ -35,7 +34,7 @@ def crop_coords(n_points: int = CROP_POINTS):
     return centre_crop(n_points)
 
 
-@lru_cache(maxsize=None)
+@cached
 def crop_layer(stride: int = 1):
     """A 3x3x3 layer of ``stride`` on the crop: ``(kernel map, GMaS plan)``, both built by
     the NumPy references (stride 1: a submanifold layer, whose centre skips the
@@ -106,7 +105,7 @@ def check_scatter_kernel(scatter_kernel):
     launches ``scatter_v1`` (one thread per (tile, output), ``out`` holding the centre
     product), against the scatter ladder's reference on the crop."""
     from ...core.backend import to_device, to_host
-    from ...core.launch import launch
+    from ...core.launch import THREADS, blocks_for, simulator_pace
     from ...gmas.scatter import LADDER
 
     if not hasattr(scatter_kernel, "__getitem__"):
@@ -119,8 +118,9 @@ def check_scatter_kernel(scatter_kernel):
     want = LADDER.reference(work)
     for tile in SCATTER_TILES:
         out = to_device(work["init"]).copy()  # the centre product, summed onto in place
-        launch(scatter_kernel, len(km.out_coords) * (SCATTER_CHANNELS // tile), to_device(work["obuf"]),
-               to_device(plan.out_table), tile, True, out)
+        with simulator_pace():
+            scatter_kernel[blocks_for(len(km.out_coords) * (SCATTER_CHANNELS // tile)), THREADS](
+                to_device(work["obuf"]), to_device(plan.out_table), tile, True, out)
         # fp32 sums in offset order are exact to the bit; a float64 accumulator is allowed
         expect_equal(to_host(out), want, f"tile {tile}: out[q, c]", atol=1e-4)
 

@@ -9,10 +9,9 @@ SemanticKITTI scan and of the SUN RGB-D frame, and the notebook's eight-offset t
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
+from ...core.state import cached
 from . import ExerciseFailed, exercise, expect_equal
 from .inputs import data_folder
 
@@ -27,7 +26,7 @@ def layers():
     yield from real_layers()
 
 
-@lru_cache(maxsize=None)
+@cached
 def real_layers() -> tuple:
     """(name, pair counts, the centre offset or None) of 3x3x3 layers, stride 1 and 2, on
     crops of 3,000 points of the SemanticKITTI scan and of the SUN RGB-D frame."""
