@@ -3,7 +3,7 @@
 After the backward search (stage 5) every query of segment ``k`` knows the one
 source block ``j`` that can hold it, and the balanced query blocks say which
 CUDA thread block handles it (paper Section 5.1.2, Figure 11 steps 4-5). A thread
-block
+block, given its balanced block ``(k, j, query start, query end)``,
 
 1. loads the B keys of source block ``j`` into shared memory, every thread a
    strided share (coalesced global reads), then waits at ``syncthreads``;
@@ -16,9 +16,6 @@ block
    sizes) and per offset and chunk of outputs (the metadata stage's ranks).
    For a symmetric submanifold kernel only half the segments are searched and
    each hit is also written at its mirror (:func:`mirror_reference`).
-
-A thread block reads its balanced block ``(k, j, query start, query end)``
-from the rows the backward search wrote.
 
 Worked example (continuing stage 5: source ``[1, 4 | 6, 7 | 9]``, B = 2, one
 segment ``[0, 2, 3, 4, 5, 8, 12]``)::
@@ -141,7 +138,6 @@ def mirror_reference(half, K):
 # ------------------------------------------------------------------- the ladder
 # Shared arrays need a size known when the kernel is compiled: every rung is built
 # once per source block size B.
-
 @cached
 def forward_search_v1(B: int):
     """v1, the paper's forward search (Section 5.1.2, Figure 11 steps 4-5): one thread
