@@ -15,8 +15,8 @@ the same size on both sides of the origin. Strides may differ per axis; the batc
 column is carried unchanged, so clouds of a batch never merge.
 
 GPU pipeline: ``downsample_pack_kernel`` (one thread per input coordinate), then
-the library sort of the keys and the unique passes of :mod:`numba_sc.map.sorting`
-(:func:`~numba_sc.map.sorting.sort_unique_keys_cuda`: no order, no inverse: only the
+the library sort of the keys and the unique passes of :mod:`numba_sc.core.unique`
+(:func:`~numba_sc.core.unique.sort_unique_keys_cuda`: no order, no inverse: only the
 keys are needed; each unique key is unpacked where it is written). Bytes for N
 inputs: 12-16N read, 8N written, then the sort/unique traffic (~40N). One
 device->host read, of the unique count (with the range flag): the outputs are the
@@ -26,18 +26,16 @@ That is v2 of a two-rung ladder (``python -m numba_sc ladder output_coords``); v
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 from numba import cuda
 
 from ..core import conventions as cv
 from ..core.device import device_xp
 from ..core.backend import filled, like, resolve_backend, to_device, to_host
-from ..core.launch import launch
+from ..core.launch import THREADS, blocks_for, launch
 from ..core.rungs import Ladder, Rung
-from ..map.sorting import sort_unique_cuda, sort_unique_keys_cuda, sort_unique_reference
-from .voxelization import unpack_kernel
+from ..core.state import cached
+from ..core.unique import sort_unique_cuda, sort_unique_keys_cuda, sort_unique_reference, unpack_kernel
 
 
 def _total_stride(stride, tensor_stride):
@@ -113,20 +111,26 @@ def _pack(coords, stride, tensor_stride, report=None, reach=NO_REACH):
 
 
 def output_coords_v1(coords, stride, tensor_stride=1):
-    """v1: Eq. 1 with voxelization's own de-duplication (:func:`~numba_sc.map.sorting.sort_unique_cuda`).
+    """v1: Eq. 1 with voxelization's own de-duplication (:func:`~numba_sc.core.unique.sort_unique_cuda`).
 
     Pack, argsort, gather the keys in that order, mark and compact the runs (which
     also yields the order, the run starts and every input's output index, the
     things voxelization needs for its features), unpack. Two device->host reads:
     the range flag, then the unique count.
     """
-    c, s, keys, report = _pack(coords, stride, tensor_stride)
+    coords = cv.validate_coords(coords, "coords", check_range=False)
+    sx, sy, sz = _strides(stride, tensor_stride)
+    c = to_device(coords)
+    n, s = c.shape[0], c.shape[1] - 3
     xp = device_xp()
+    keys = xp.empty(n, dtype=np.int64)
+    report = filled(2, np.int64, 0)
+    downsample_pack_kernel[blocks_for(n), THREADS](c, s, sx, sy, sz, *NO_REACH[0], *NO_REACH[1], keys, report)
     if int(to_host(report)[0]):  # read 1
         _prepare(to_host(c), stride, tensor_stride)
     su = sort_unique_cuda(keys)  # read 2, inside: the unique count
     out = xp.empty((su.keys.shape[0], 3 + s), dtype=np.int32)
-    launch(unpack_kernel, out.shape[0], su.keys, s, out)
+    unpack_kernel[blocks_for(out.shape[0]), THREADS](su.keys, s, out)
     return out
 
 
@@ -204,7 +208,7 @@ def _strides(stride, tensor_stride):
         return tuple(int(v) for v in _total_stride(stride, tensor_stride))
 
 
-@lru_cache(maxsize=256)
+@cached(maxsize=256)
 def _strides_of(stride, tensor_stride):
     return tuple(int(v) for v in _total_stride(stride, tensor_stride))
 

@@ -20,8 +20,8 @@ The GPU pipeline (one thread per point or per voxel, paper Section 2.2 / Eq. 1):
 
 1. ``quantize_kernel``: floor and pack each point into a 64-bit key
    (:mod:`numba_sc.core.conventions`), flagging NaN / inf / out-of-range points;
-2. library sort + run marking + compaction (:mod:`numba_sc.map.sorting`);
-3. ``unpack_kernel``: unique keys back to int32 coordinates;
+2. library sort + run marking + compaction (:mod:`numba_sc.core.unique`);
+3. ``unpack_kernel`` (:mod:`numba_sc.core.unique`): unique keys back to int32 coordinates;
 4. ``voxelization_v2``: each voxel reduces the features of its run of points.
 
 The reduction is a two-rung ladder (``python -m numba_sc ladder voxelization``):
@@ -44,9 +44,9 @@ from numba import cuda
 from ..core import conventions as cv
 from ..core.device import device_xp, is_cupy
 from ..core.backend import like, resolve_backend, to_device, to_host
-from ..core.launch import launch
+from ..core.launch import THREADS, blocks_for, launch
 from ..core.rungs import Ladder, Rung
-from ..map.sorting import sort_unique_cuda, sort_unique_reference
+from ..core.unique import sort_unique_cuda, sort_unique_reference, unpack_kernel
 
 REDUCTIONS = ("mean", "sum", "max")
 
@@ -62,59 +62,6 @@ class Voxelization:
 
     def __len__(self):
         return int(self.coords.shape[0])
-
-
-# ------------------------------------------------------------------ validation
-def _check_args(points, voxel_size, features, reduce):
-    if not hasattr(points, "shape") or not hasattr(points, "dtype"):
-        raise TypeError(f"points must be a NumPy or CuPy array, got {type(points).__name__}")
-    if points.ndim != 2 or points.shape[1] not in (3, 4):
-        raise ValueError(
-            "points must have shape (N, 3) for x, y, z or (N, 4) with a batch index in "
-            f"column 0, got {tuple(points.shape)}; slice off extra columns such as "
-            "remission and pass them as features")
-    if np.dtype(points.dtype) not in (np.float32, np.float64):
-        raise TypeError(f"points must be float32 or float64, got dtype {points.dtype}")
-    if points.shape[0] == 0:
-        raise ValueError("points is empty: there is nothing to voxelize")
-    if any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating))
-           for v in np.asarray(voxel_size, dtype=object).reshape(-1)):  # one size or three, each a number
-        raise TypeError(f"voxel_size must be a positive finite number or 3 of them (metres), got {voxel_size!r}")
-    vs = np.asarray(voxel_size, dtype=np.float64).reshape(-1)
-    if vs.size == 1:
-        vs = np.repeat(vs, 3)
-    if vs.size != 3 or not np.all(np.isfinite(vs)) or np.any(vs <= 0):
-        raise ValueError(f"voxel_size must be a positive finite number or 3 of them, got {voxel_size!r}")
-    if reduce not in REDUCTIONS:
-        raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
-    if features is not None:
-        if not hasattr(features, "shape"):
-            raise TypeError("features must be a NumPy or CuPy array or None")
-        if features.ndim == 1:
-            features = features.reshape(-1, 1)
-        if features.ndim != 2 or features.shape[0] != points.shape[0]:
-            raise ValueError(
-                f"features must have shape (N, C) with N = {points.shape[0]} (one row per "
-                f"point), got {tuple(features.shape)}")
-        if np.dtype(features.dtype) not in (np.float16, np.float32, np.float64):
-            raise TypeError(f"features must be a float array, got dtype {features.dtype}")
-    return vs, features
-
-
-def _explain_bad_points(points: np.ndarray, vs: np.ndarray):
-    """Raise the precise error for points the quantizer refused (host side, slow path)."""
-    s = points.shape[1] - 3
-    xyz = points[:, s:].astype(np.float64)
-    cv.check_finite_points(points)
-    if s:
-        b = points[:, 0]
-        if (b != np.floor(b)).any() or b.min() < 0 or b.max() > cv.BATCH_MAX:
-            raise ValueError(
-                f"points: column 0 is the batch index and must hold whole numbers in 0..{cv.BATCH_MAX}, "
-                f"got values in {b.min()}..{b.max()}")
-    q = np.floor(xyz / vs)
-    lo, hi = q.min(axis=0), q.max(axis=0)
-    cv.check_packable(lo, hi, name=f"points at voxel_size {vs.tolist()}")
 
 
 # ------------------------------------------------------------------ reference
@@ -197,18 +144,27 @@ def quantize_kernel(points, s, vx, vy, vz, keys, flag):
             flag[0] = 1  # every bad thread writes the same value: a benign race
 
 
-@cuda.jit
-def unpack_kernel(ukeys, s, coords):
-    """One thread per voxel: its key back to (batch,) x, y, z int32 columns (one row of
-    ``coords`` per key; ``ukeys`` may hold more)."""
-    m = cuda.grid(1)
-    if m < coords.shape[0]:
-        k = ukeys[m]
-        if s == 1:
-            coords[m, 0] = k >> cv.SHIFT_B
-        coords[m, s] = cv.unpack_field_device(k, cv.SHIFT_X)
-        coords[m, s + 1] = cv.unpack_field_device(k, cv.SHIFT_Y)
-        coords[m, s + 2] = cv.unpack_field_device(k, cv.SHIFT_Z)
+def voxelization_v1(points, voxel_size, features):
+    """v1 on device arrays: :func:`voxelize_cuda`'s steps with the atomic reduction
+    (:func:`atomic_reduce_v1`, then :func:`divide_v1`); returns a :class:`Voxelization`
+    (mean)."""
+    xp = device_xp()
+    vs, features = _check_args(points, voxel_size, features, "mean")
+    p, f = to_device(points), to_device(features)
+    n, s = p.shape[0], p.shape[1] - 3
+    keys = xp.empty(n, dtype=np.int64)
+    flag = xp.zeros(1, dtype=np.int32)
+    quantize_kernel[blocks_for(n), THREADS](p, s, float(vs[0]), float(vs[1]), float(vs[2]), keys, flag)
+    su = sort_unique_cuda(keys)  # (the flag is the library's business; the ladder's points are good)
+    m, c = su.keys.shape[0], f.shape[1]
+    coords = xp.empty((m, 3 + s), dtype=np.int32)
+    unpack_kernel[blocks_for(m), THREADS](su.keys, s, coords)
+    counts = xp.diff(su.starts)
+    sums = xp.zeros((m, c), dtype=np.float64)
+    atomic_reduce_v1[blocks_for(n * c), THREADS](f, su.inverse, sums)
+    feats = xp.empty((m, c), dtype=f.dtype)
+    divide_v1[blocks_for(m * c), THREADS](sums, counts, feats)
+    return Voxelization(coords, feats, su.inverse, counts)
 
 
 @cuda.jit
@@ -277,29 +233,6 @@ def voxelize_cuda(points, voxel_size, features=None, reduce="mean") -> Voxelizat
     return Voxelization(coords, feats, su.inverse, counts)
 
 
-def voxelization_v1(points, voxel_size, features):
-    """v1 on device arrays: :func:`voxelize_cuda`'s steps with the atomic reduction
-    (:func:`atomic_reduce_v1`, then :func:`divide_v1`); returns a :class:`Voxelization`
-    (mean)."""
-    xp = device_xp()
-    vs, features = _check_args(points, voxel_size, features, "mean")
-    p, f = to_device(points), to_device(features)
-    n, s = p.shape[0], p.shape[1] - 3
-    keys = xp.empty(n, dtype=np.int64)
-    flag = xp.zeros(1, dtype=np.int32)
-    launch(quantize_kernel, n, p, s, float(vs[0]), float(vs[1]), float(vs[2]), keys, flag)
-    su = sort_unique_cuda(keys)  # (the flag is the library's business; the ladder's points are good)
-    m, c = su.keys.shape[0], f.shape[1]
-    coords = xp.empty((m, 3 + s), dtype=np.int32)
-    launch(unpack_kernel, m, su.keys, s, coords)
-    counts = xp.diff(su.starts)
-    sums = xp.zeros((m, c), dtype=np.float64)
-    launch(atomic_reduce_v1, n * c, f, su.inverse, sums)
-    feats = xp.empty((m, c), dtype=f.dtype)
-    launch(divide_v1, m * c, sums, counts, feats)
-    return Voxelization(coords, feats, su.inverse, counts)
-
-
 # ----------------------------------------------------------------------- API
 def voxelize(points: cv.Array, voxel_size: float | tuple[float, float, float], features: cv.Array | None = None,
              reduce: str = "mean", backend: str | None = None) -> Voxelization:
@@ -357,3 +290,56 @@ LADDER = Ladder(
     collect=_coords_and_features,
     needs=("points",),
 )
+
+
+# ------------------------------------------------------- validation (host side)
+def _check_args(points, voxel_size, features, reduce):
+    if not hasattr(points, "shape") or not hasattr(points, "dtype"):
+        raise TypeError(f"points must be a NumPy or CuPy array, got {type(points).__name__}")
+    if points.ndim != 2 or points.shape[1] not in (3, 4):
+        raise ValueError(
+            "points must have shape (N, 3) for x, y, z or (N, 4) with a batch index in "
+            f"column 0, got {tuple(points.shape)}; slice off extra columns such as "
+            "remission and pass them as features")
+    if np.dtype(points.dtype) not in (np.float32, np.float64):
+        raise TypeError(f"points must be float32 or float64, got dtype {points.dtype}")
+    if points.shape[0] == 0:
+        raise ValueError("points is empty: there is nothing to voxelize")
+    if any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating))
+           for v in np.asarray(voxel_size, dtype=object).reshape(-1)):  # one size or three, each a number
+        raise TypeError(f"voxel_size must be a positive finite number or 3 of them (metres), got {voxel_size!r}")
+    vs = np.asarray(voxel_size, dtype=np.float64).reshape(-1)
+    if vs.size == 1:
+        vs = np.repeat(vs, 3)
+    if vs.size != 3 or not np.all(np.isfinite(vs)) or np.any(vs <= 0):
+        raise ValueError(f"voxel_size must be a positive finite number or 3 of them, got {voxel_size!r}")
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
+    if features is not None:
+        if not hasattr(features, "shape"):
+            raise TypeError("features must be a NumPy or CuPy array or None")
+        if features.ndim == 1:
+            features = features.reshape(-1, 1)
+        if features.ndim != 2 or features.shape[0] != points.shape[0]:
+            raise ValueError(
+                f"features must have shape (N, C) with N = {points.shape[0]} (one row per "
+                f"point), got {tuple(features.shape)}")
+        if np.dtype(features.dtype) not in (np.float16, np.float32, np.float64):
+            raise TypeError(f"features must be a float array, got dtype {features.dtype}")
+    return vs, features
+
+
+def _explain_bad_points(points: np.ndarray, vs: np.ndarray):
+    """Raise the precise error for points the quantizer refused (host side, slow path)."""
+    s = points.shape[1] - 3
+    xyz = points[:, s:].astype(np.float64)
+    cv.check_finite_points(points)
+    if s:
+        b = points[:, 0]
+        if (b != np.floor(b)).any() or b.min() < 0 or b.max() > cv.BATCH_MAX:
+            raise ValueError(
+                f"points: column 0 is the batch index and must hold whole numbers in 0..{cv.BATCH_MAX}, "
+                f"got values in {b.min()}..{b.max()}")
+    q = np.floor(xyz / vs)
+    lo, hi = q.min(axis=0), q.max(axis=0)
+    cv.check_packable(lo, hi, name=f"points at voxel_size {vs.tolist()}")

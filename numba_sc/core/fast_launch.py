@@ -452,7 +452,7 @@ def lock_simulator_shared_arrays() -> bool:
     (likelier with :func:`numba_sc.core.launch.simulator_pace`'s short switches) each
     make an array; the one whose array is overwritten writes where no other thread
     reads, and the others read ``np.empty``'s garbage there (seen once in CI: the scan
-    of :func:`numba_sc.map.sorting.unique_one_block` indexed with 9212968597772586325).
+    of :func:`numba_sc.core.unique.unique_one_block` indexed with 9212968597772586325).
     This puts the look-up and the store under one lock. It replaces a method of the
     simulator's private ``kernelapi.FakeCUDAShared`` and reproduces its rule for
     telling arrays apart (the calling file and line); if a Numba release moves any

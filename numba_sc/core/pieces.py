@@ -159,3 +159,22 @@ def piece(base, offset, shape, dtype):
 
 _DTYPES = remember({})  # dtype argument -> np.dtype (np.dtype() costs host time)
 _READS = threading.local()  # (slot, device) -> this thread's pinned buffer, its address and event
+
+
+# ------------------------------------------- placeholders: arrays a kernel never touches
+from .device import device_xp  # noqa: E402  (kept with what uses them)
+from .state import remember  # noqa: E402
+
+
+def placeholder(shape=(1, 1)):
+    """The int64 zeros passed for an array a kernel takes but never touches (the
+    masks of a search that sets none; the device count of outputs the host knows);
+    one per array library and shape, made once. Never the same array as another
+    argument: the simulator copies each argument back after the launch."""
+    xp = device_xp()
+    if (xp, shape) not in _NO_MASKS:
+        _NO_MASKS[xp, shape] = xp.zeros(shape, np.int64)
+    return _NO_MASKS[xp, shape]
+
+
+_NO_MASKS = remember({})  # placeholders per array library and shape, made once

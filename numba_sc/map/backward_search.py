@@ -39,33 +39,26 @@ x 17 steps, a few hundred kB of key reads that mostly hit cache, because neighbo
 neighbouring pivots in the same segment. The bounds are ``8 K (|P|/B + 1)``
 bytes, the rows 16 bytes each, and one global atomic per thread block of 256.
 
-The module: the NumPy references (:func:`backward_search_reference`,
-:func:`split_query_blocks_reference`), then the ladder
-(``python -m numba_sc ladder backward_search``):
+The ladder (``python -m numba_sc ladder backward_search``; what each rung bought
+on SemanticKITTI: ``numba_sc.tools.lesson.bought("backward_search")``)::
 
-    v1  Figure 11 steps 1-3 as listed (:func:`backward_search_v1`): a kernel
-          searches every pivot, the array library scans the blocks' row counts,
-          one device read of the total, a second kernel cuts the blocks
+    v1  Figure 11 steps 1-3 as listed (:func:`backward_search_v1`): search every
+          pivot, scan the blocks' row counts, read the total, cut the blocks
     v2  one kernel, no device read (:func:`backward_search_v2`, the library's,
-          launched by :func:`backward_search_cuda`): each block's start comes
-          from its left neighbour through shared memory, rows placed by atomic
-          reservations. What it bought on SemanticKITTI at 0.05 m (27 segments,
-          B = 512, C = 1024) is recorded in
-          ``benchmarks/results/ladder_all_kitti.json``
-          (``numba_sc.tools.lesson.bought("backward_search")``): a large step,
-          because v1's time includes the GPU idling while the host reads the
-          total and launches the second kernel
+          launched by :func:`backward_search_cuda`): each block's start from its
+          left neighbour through shared memory, rows placed by atomic reservations
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import cuda, int64
 
+from ..core import conventions as cv
 from ..core.device import device_xp
 from ..core.backend import to_device, to_host
-from ..core.launch import launch
+from ..core.launch import THREADS, blocks_for, launch
+from ..core.pieces import placeholder
 from ..core.rungs import Ladder, Rung
-from .forward_search import placeholder
 from .query_segments import query_key, query_key_reference
 
 # Defaults of B and C, picked by the B x C sweep on an H100 (benchmarks/bench_map.py,
@@ -76,40 +69,6 @@ DEFAULT_SOURCE_BLOCK = 512
 DEFAULT_QUERY_BLOCK = 1024
 MIN_SOURCE_BLOCK = 32
 MAX_SOURCE_BLOCK = 4096  # 4096 int64 keys = 32 kB of shared memory (48 kB is the default cap)
-
-
-def check_block_sizes(source_block, query_block):
-    """Validate B and C; return them as ints. Errors name the argument and the fix."""
-    if isinstance(source_block, bool) or not isinstance(source_block, (int, np.integer)):
-        raise TypeError(f"source_block (B) must be an int, got {source_block!r}")
-    b = int(source_block)
-    if b < MIN_SOURCE_BLOCK or b > MAX_SOURCE_BLOCK or b & (b - 1):
-        raise ValueError(
-            f"source_block (B) must be a power of two in {MIN_SOURCE_BLOCK}..{MAX_SOURCE_BLOCK} "
-            f"(a source block lives in shared memory, 8 bytes a key), got {source_block!r}; "
-            "the paper's default is 256")
-    if isinstance(query_block, bool) or not isinstance(query_block, (int, np.integer)):
-        raise TypeError(f"query_block (C) must be an int, got {query_block!r}")
-    c = int(query_block)
-    if c <= 0:
-        raise ValueError(
-            f"query_block (C) must be a positive int (the largest balanced query block), got "
-            f"{query_block!r}; the paper's default is 512")
-    return b, c
-
-
-def num_source_blocks(n_source: int, B: int) -> int:
-    return (int(n_source) + B - 1) // B
-
-
-def max_balanced_blocks(K: int, n_source: int, n_query: int, B: int, C: int) -> int:
-    """An upper bound on the number of balanced query blocks, known without the data.
-
-    Block (k, j) with x queries gives ceil(x / C) <= x / C + 1 rows; summed over the
-    K * nblocks blocks, whose sizes add up to at most K * |Q|, that is at most
-    ``K * nblocks + K * |Q| / C`` (paper Section 5.1.3, footnote 1).
-    """
-    return K * num_source_blocks(n_source, B) + (K * int(n_query) + C - 1) // C
 
 
 # ------------------------------------------------------------------ reference
@@ -232,12 +191,12 @@ def backward_search_v1(skeys, qkeys, deltas, B, C):
     K = deltas.shape[0]
     nb = num_source_blocks(skeys.shape[0], B)
     bounds = xp.empty((K, nb + 1), dtype=np.int64)
-    launch(pivot_bounds_v1, K * nb, skeys, qkeys, deltas, B, bounds)
+    pivot_bounds_v1[blocks_for(K * nb), THREADS](skeys, qkeys, deltas, B, bounds)
     pieces = (xp.diff(bounds, axis=1).ravel() + C - 1) // C
     first = xp.cumsum(pieces) - pieces
     total = int(to_host(pieces.sum()))
     rows = xp.empty((max(total, 1), 4), dtype=np.int32)
-    launch(split_rows_v1, K * nb, bounds, C, first, rows)
+    split_rows_v1[blocks_for(K * nb), THREADS](bounds, C, first, rows)
     return bounds, rows, xp.asarray(np.array([total], dtype=np.int64))
 
 
@@ -351,18 +310,16 @@ def search_workload(ctx) -> dict:
     keys, the key deltas, and the balanced query blocks of the backward search, once
     over all K segments (``full``) and once over the first ceil(K / 2) (``half``: a
     symmetric kernel searched halfway), with blocks of ``ctx.search_blocks = (B, C)``."""
-    from ..core import conventions as cv
-    from .kernel_map import layer_arguments
-
     def build():
         B, C = ctx.search_blocks
-        offsets, deltas = layer_arguments(3, 1, 1, 1)[4:]
+        offsets = cv.kernel_offsets(3)  # sorted, and so are their key deltas
+        deltas = cv.key_delta(offsets)
         K, P = len(offsets), len(ctx.coords)
         reach = tuple(int(v) for v in offsets.min(axis=0)), tuple(int(v) for v in offsets.max(axis=0))
         keys = to_device(cv.pack_keys(np.asarray(ctx.coords), *reach))  # sorted: coords are
         work = {"B": B, "C": C, "K": K, "keys": keys, "table_shape": (K, P)}
         for h, name in ((K, "full"), ((K + 1) // 2, "half")):
-            d = to_device(np.array(deltas[:h]))  # (a writable copy: the layer's deltas are read-only)
+            d = to_device(np.array(deltas[:h], dtype=np.int64))
             upper = max_balanced_blocks(h, P, P, B, C)
             _, rows, n_rows = backward_search_cuda(keys, keys, d, B, C, upper)
             work[name] = {"deltas": d, "rows": rows, "n_rows": n_rows, "upper": upper,
@@ -397,3 +354,38 @@ LADDER = Ladder(
     reference=_ladder_reference,
     collect=_bounds_and_rows,
 )
+
+
+# ------------------------------------------------- block sizes and row bounds
+def check_block_sizes(source_block, query_block):
+    """Validate B and C; return them as ints. Errors name the argument and the fix."""
+    if isinstance(source_block, bool) or not isinstance(source_block, (int, np.integer)):
+        raise TypeError(f"source_block (B) must be an int, got {source_block!r}")
+    b = int(source_block)
+    if b < MIN_SOURCE_BLOCK or b > MAX_SOURCE_BLOCK or b & (b - 1):
+        raise ValueError(
+            f"source_block (B) must be a power of two in {MIN_SOURCE_BLOCK}..{MAX_SOURCE_BLOCK} "
+            f"(a source block lives in shared memory, 8 bytes a key), got {source_block!r}; "
+            "the paper's default is 256")
+    if isinstance(query_block, bool) or not isinstance(query_block, (int, np.integer)):
+        raise TypeError(f"query_block (C) must be an int, got {query_block!r}")
+    c = int(query_block)
+    if c <= 0:
+        raise ValueError(
+            f"query_block (C) must be a positive int (the largest balanced query block), got "
+            f"{query_block!r}; the paper's default is 512")
+    return b, c
+
+
+def num_source_blocks(n_source: int, B: int) -> int:
+    return (int(n_source) + B - 1) // B
+
+
+def max_balanced_blocks(K: int, n_source: int, n_query: int, B: int, C: int) -> int:
+    """An upper bound on the number of balanced query blocks, known without the data.
+
+    Block (k, j) with x queries gives ceil(x / C) <= x / C + 1 rows; summed over the
+    K * nblocks blocks, whose sizes add up to at most K * |Q|, that is at most
+    ``K * nblocks + K * |Q| / C`` (paper Section 5.1.3, footnote 1).
+    """
+    return K * num_source_blocks(n_source, B) + (K * int(n_query) + C - 1) // C

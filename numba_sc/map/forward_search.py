@@ -3,7 +3,7 @@
 After the backward search (stage 5) every query of segment ``k`` knows the one
 source block ``j`` that can hold it, and the balanced query blocks say which
 CUDA thread block handles it (paper Section 5.1.2, Figure 11 steps 4-5). A thread
-block
+block, given its balanced block ``(k, j, query start, query end)``,
 
 1. loads the B keys of source block ``j`` into shared memory, every thread a
    strided share (coalesced global reads), then waits at ``syncthreads``;
@@ -17,9 +17,6 @@ block
    For a symmetric submanifold kernel only half the segments are searched and
    each hit is also written at its mirror (:func:`mirror_reference`).
 
-A thread block reads its balanced block ``(k, j, query start, query end)``
-from the rows the backward search wrote.
-
 Worked example (continuing stage 5: source ``[1, 4 | 6, 7 | 9]``, B = 2, one
 segment ``[0, 2, 3, 4, 5, 8, 12]``)::
 
@@ -29,9 +26,6 @@ segment ``[0, 2, 3, 4, 5, 8, 12]``)::
     block (0, 2, 5, 6): shared = [9];    query 8 -> miss
     table[0] = [-1, -1, -1, 1, -1, -1, -1]
 
-Shared memory arrays need a size known when the kernel is compiled, so
-:func:`forward_search_v4` builds one kernel per B and caches it.
-
 Launch without a device->host sync: the number of balanced blocks lives on the
 device. Rather than reading it (a sync that stalls the host until the GPU has
 caught up, and loses the overlap of host and GPU work), the launcher starts the known upper
@@ -39,32 +33,25 @@ bound ``K * nblocks + ceil(K * |Q| / C)`` of thread blocks and each block first
 compares its index with the device count: surplus blocks return at once, which
 costs the GPU a few nanoseconds each.
 
-The ladder, one idea a rung. ``python -m numba_sc ladder forward_search`` checks
-and times them on SemanticKITTI at 0.05 m (3x3x3, B = 512, C = 1024), each with
-what the metadata stage then needs of the map (three more passes over the table
-for v1-v3, none for v4); the recorded run is
-``benchmarks/results/ladder_all_kitti.json``
-(``numba_sc.tools.lesson.bought("forward_search")`` prints it)::
+The ladder, one idea a rung (``python -m numba_sc ladder forward_search``, on
+SemanticKITTI at 0.05 m, 3x3x3, B = 512, C = 1024; each rung timed with what the
+metadata stage then needs of the map: the pairs per offset, per offset and chunk
+of outputs and every point's mask of offsets, found by array-library passes over
+the table after v1-v3, with the pairs by v4; what each bought:
+``numba_sc.tools.lesson.bought("forward_search")``; older and fuller figures:
+``docs/performance.md``, "map/forward_search.py")::
 
     v1  the paper's kernel: shared-memory block, a lo/hi binary search per query
           (:func:`forward_search_v1`)
     v2  + branch-free search: exactly log2(B) halvings over a padded block
-          (:func:`forward_search_v2`)
     v3  + a symmetric kernel searched halfway, each hit written twice
-          (:func:`forward_search_v3`)
     v4  + the counts and masks the metadata needs, found where the pairs are;
-          sizes compiled in, unsigned indices (:func:`forward_search_v4`,
-          the library's)
+          sizes compiled in, unsigned indices (the library's, launched by
+          :func:`forward_search_cuda`)
 
-v2 and v3 make the search itself cheaper, a saving the three passes after it
-mostly hide on this scan (the search alone, timed when they came in, is in
-``docs/performance.md``); v4, which makes the passes unnecessary, is the rung
-that shortens the stage.
-
-The module holds the NumPy reference (:func:`forward_search_reference`,
-:func:`mirror_reference`), the rungs in ladder order, and the launcher
-(:func:`forward_search_cuda`). Older and fuller figures:
-``docs/performance.md``, "map/forward_search.py".
+v2 and v3 make the search itself cheaper, a saving the passes after it mostly
+hide on this scan; v4, which makes the passes unnecessary, is the rung that
+shortens the stage.
 
 Bytes, 3x3x3 layer, |P| = |Q| = 94k, B = 256, C = 512: the blocks load about
 K * |P| * 8 B = 20 MB of source keys into shared memory (each source block once
@@ -73,28 +60,20 @@ cache: 27 segments share the same 750 kB of Q keys) and write the 10 MB table.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 from numba import cuda, int32, int64, uint64
 
 from ..core.device import device_xp, simulating
-from ..core.backend import filled
+from ..core.backend import filled, to_host
 from ..core.launch import launch
-from ..core.pieces import Piece
+from ..core.pieces import Piece, placeholder
 from ..core.rungs import Ladder, Rung
 from ..core.conventions import MASK_BITS, SIMULATOR_THREADS, chunk_size
+from ..core.state import cached
+from .backward_search import search_workload
 from .query_segments import query_key, query_key_reference
 
 FORWARD_THREADS = 128  # threads per block on the GPU (the paper's setting)
-# Under the simulator fewer threads per block (conventions.SIMULATOR_THREADS) make the
-# tests much faster and make each thread walk the strided loops several times, which
-# is the harder case for correctness.
-
-
-def forward_threads(C: int) -> int:
-    """Threads per block: 128 on the GPU (16 simulated), never more than C queries."""
-    return max(1, min(SIMULATOR_THREADS if simulating() else FORWARD_THREADS, int(C)))
 
 
 # ------------------------------------------------------------------ reference
@@ -157,12 +136,9 @@ def mirror_reference(half, K):
 
 
 # ------------------------------------------------------------------- the ladder
-# v1 .. v3 below, the library's kernel (v4) after them. Each rung is checked against
-# the reference map (tests/tools/test_ladder.py) and timed by ``python -m numba_sc ladder
-# forward_search``. Shared arrays need a size known when the kernel is compiled, so every
-# rung is built once per source block size B.
-
-@lru_cache(maxsize=None)
+# Shared arrays need a size known when the kernel is compiled: every rung is built
+# once per source block size B.
+@cached
 def forward_search_v1(B: int):
     """v1, the paper's forward search (Section 5.1.2, Figure 11 steps 4-5): one thread
     block per balanced query block ``rows[blockIdx] = (k, j, start, end)``; the block
@@ -195,7 +171,7 @@ def forward_search_v1(B: int):
     return forward_search
 
 
-@lru_cache(maxsize=None)
+@cached
 def forward_search_v2(B: int):
     """v2: the same search without a data-dependent loop. B is a power of two, so a
     block padded to B keys (with a key larger than any query) is searched in exactly
@@ -228,7 +204,7 @@ def forward_search_v2(B: int):
     return forward_search
 
 
-@lru_cache(maxsize=None)
+@cached
 def forward_search_v3(B: int):
     """v3: a symmetric submanifold kernel searched halfway. When the offsets come in
     pairs (``offsets[K-1-k] == -offsets[k]``) and the queries are the inputs, each
@@ -284,7 +260,7 @@ TALLY = 4  # shared-memory slots per table row (the searched row and its mirror)
 TALLY_SLOTS = 2 * TALLY  # a named constant: shared array sizes must be compile-time constants
 
 
-@lru_cache(maxsize=None)
+@cached
 def forward_search_v4(B: int, with_masks: bool = False, threads: int = FORWARD_THREADS):
     """The forward-search kernel for source blocks of ``B`` keys (compiled once per B),
     setting the mask bits of every pair it finds when ``with_masks`` (a constant of
@@ -426,18 +402,12 @@ def forward_search_v4(B: int, with_masks: bool = False, threads: int = FORWARD_T
     return forward_search
 
 
-_NO_MASKS = {}  # placeholders per array library and shape, made once
-
-
-def placeholder(shape=(1, 1)):
-    """The int64 zeros passed for an array a kernel takes but never touches (the
-    masks of a search that sets none; the device count of outputs the host knows);
-    one per array library and shape, made once. Never the same array as another
-    argument: the simulator copies each argument back after the launch."""
-    xp = device_xp()
-    if (xp, shape) not in _NO_MASKS:
-        _NO_MASKS[xp, shape] = xp.zeros(shape, np.int64)
-    return _NO_MASKS[xp, shape]
+# Under the simulator fewer threads per block (conventions.SIMULATOR_THREADS) make the
+# tests much faster and make each thread walk the strided loops several times, which
+# is the harder case for correctness.
+def forward_threads(C: int) -> int:
+    """Threads per block: 128 on the GPU (16 simulated), never more than C queries."""
+    return max(1, min(SIMULATOR_THREADS if simulating() else FORWARD_THREADS, int(C)))
 
 
 def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=None, n_offsets=None,
@@ -506,8 +476,6 @@ def forward_search_cuda(skeys, qkeys, deltas, rows, n_rows, B, C, grid, counts=N
 def _ladder_work(ctx):
     """The backward search's keys, deltas and balanced blocks
     (:func:`numba_sc.map.backward_search.search_workload`), and the threads per block."""
-    from .backward_search import search_workload
-
     work = search_workload(ctx)
     return dict(work, threads=forward_threads(work["C"]))
 
@@ -518,13 +486,9 @@ def _run_rung(rung, w):
 
     The library's v4 finds, with each pair, what the metadata stage needs of it:
     the pairs per offset, per offset and chunk of outputs, and each point's mask
-    of offsets. For v1-v3 those are then made as the metadata stage makes them for
-    a map that lacks them (a count of the table, :func:`~numba_sc.gmas.metadata.chunk_counts_cuda`,
-    :func:`~numba_sc.gmas.metadata.masks_cuda`: three more passes over it), so that every
-    rung is timed for the same result.
+    of offsets. For v1-v3 those are then found from the table by the array
+    library (:func:`table_passes`), so that every rung is timed for the same result.
     """
-    from ..gmas.metadata import chunk_counts_cuda, masks_cuda
-
     B, C = w["B"], w["C"]
     K, P = w["table_shape"]
     if rung == "v4":  # the library's: the upper-bound grid, counts, chunk counts and masks
@@ -538,22 +502,50 @@ def _run_rung(rung, w):
     seg = w[part]
     table = filled((K, P), np.int32, -1)
     if seg["grid"]:
-        launch(kernel(B), seg["grid"], w["keys"], w["keys"], seg["deltas"], seg["rows"], table,
-               threads=w["threads"], blocks=seg["grid"])
-    (table >= 0).sum(axis=1)  # pairs per offset
-    chunk_counts_cuda(table)
-    masks_cuda(table, P)
+        kernel(B)[seg["grid"], w["threads"]](w["keys"], w["keys"], seg["deltas"], seg["rows"], table)
+    table_passes(table, P, chunk_size())
     return table
 
 
-def _ladder_reference(w):
-    """The reference map's table of the same layer."""
-    from ..core.backend import to_host
-    from ..core.conventions import unpack_keys
-    from .kernel_map import build_kernel_map_reference
+def table_passes(table, n_in, chunk):
+    """What v4 finds with the pairs, found from a (K, |Q|) table afterwards by the array
+    library: ``(pairs per offset, pairs per offset and chunk of outputs, out_masks,
+    in_masks)`` (the masks as :func:`forward_search_cuda` describes them, (words, |Q|)
+    and (words, ``n_in``)). The bits of a word are distinct, so a sum is their OR."""
+    xp = device_xp()
+    K, Q = table.shape
+    hit = table >= 0
+    counts = hit.sum(axis=1)
+    n_chunks = -(-Q // chunk)
+    padded = xp.zeros((K, n_chunks * chunk), dtype=np.int32)
+    padded[:, :Q] = hit
+    chunk_counts = padded.reshape(K, n_chunks, chunk).sum(axis=2, dtype=np.int32)
+    found_in = xp.zeros(K * n_in, dtype=bool)  # (k, j): input j has a pair through offset k
+    found_in[(table + (xp.arange(K, dtype=np.int64) * n_in)[:, None])[hit]] = True
+    words = -(-K // MASK_BITS)
+    shifts = (xp.arange(K, dtype=np.int64) % MASK_BITS)[:, None]
 
-    coords = unpack_keys(to_host(w["keys"]), with_batch=False)
-    return build_kernel_map_reference(coords, 3, assume_sorted=True).table
+    def masks(found):
+        bits = xp.zeros((words * MASK_BITS, found.shape[1]), dtype=np.int64)
+        bits[:K] = found.astype(np.int64) << shifts
+        return bits.reshape(words, MASK_BITS, -1).sum(axis=1)
+
+    return counts, chunk_counts, masks(hit), masks(found_in.reshape(K, n_in))
+
+
+def _ladder_reference(w):
+    """The same layer's table by brute force: every input key moved by every delta,
+    looked up in the sorted keys with NumPy's ``searchsorted``."""
+    keys = to_host(w["keys"])
+    deltas = to_host(w["full"]["deltas"])
+    K, P = w["table_shape"]
+    table = np.full((K, P), -1, np.int32)
+    for k in range(K):
+        q = keys + deltas[k]
+        at = np.minimum(np.searchsorted(keys, q), P - 1)
+        found = keys[at] == q
+        table[k, found] = at[found]
+    return table
 
 
 LADDER = Ladder(
@@ -563,7 +555,7 @@ LADDER = Ladder(
      Rung("v2", lambda w: _run_rung("v2", w), "+ branch-free: exactly log2(B) halvings over a padded block"),
      Rung("v3", lambda w: _run_rung("v3", w), "+ a symmetric kernel searched halfway, each hit written twice"),
      Rung("v4", lambda w: _run_rung("v4", w),
-          "+ counts, chunk counts, masks found with the pairs (v1-v3: 3 passes after); constants, unsigned")),
+          "+ counts, chunk counts, masks found with the pairs (v1-v3: passes after); constants, unsigned")),
     workload=_ladder_work,
     reference=_ladder_reference,
 )

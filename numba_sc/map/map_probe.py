@@ -47,15 +47,15 @@ cells (4 GB) for a SemanticKITTI scan at 5 cm, where the grid does not fit.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 from numba import cuda, int32, int64
 
 from ..core.device import simulating
 from ..core.launch import launch
 from ..core.conventions import MASK_BITS
-from .forward_search import mirror_reference, placeholder
+from ..core.pieces import placeholder
+from ..core.state import cached
+from .forward_search import mirror_reference
 
 # Threads per block of the probe kernel. A block probes consecutive queries of one
 # offset, so that its pairs fall into one chunk of the metadata stage's outputs (the
@@ -70,7 +70,7 @@ def probe_threads() -> int:
     return SIMULATOR_PROBE_THREADS if simulating() else PROBE_THREADS
 
 
-@lru_cache(maxsize=None)
+@cached
 def probe_kernel(lookup, with_masks: bool, threads: int):
     """The probe kernel for a structure whose ``lookup(a, b, key)`` device function
     returns the input index of ``key`` or -1 (``a`` and ``b`` are the structure's
@@ -136,7 +136,7 @@ def probe_cuda(lookup, a, b, qkeys, deltas, table, counts, chunk, chunk_counts, 
         raise ValueError(f"chunk must be a power of two and a multiple of {threads}, got {chunk}")
     with_masks = out_masks is not None
     if not with_masks:
-        out_masks = in_masks = placeholder()  # the forward search's placeholder
+        out_masks = in_masks = placeholder()
     h, Q = int(deltas.shape[0]), int(qkeys.shape[0])
     per_row = max(1, -(-Q // threads))
     launch(probe_kernel(lookup, with_masks, threads), per_row * h, a, b, qkeys, deltas, per_row, table,

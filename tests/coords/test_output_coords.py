@@ -65,28 +65,3 @@ def test_bad_inputs():
     edge = np.array([[ns.core.conventions.COORD_MIN, 0, 0]], np.int32)
     with pytest.raises(ValueError, match="packable"):
         ns.output_coordinates(edge, 3)  # floor(-131072 / 3) * 3 = -131073 leaves the range
-
-
-@pytest.mark.parametrize("one_block", [True, False])
-def test_sort_unique_keys_kernel(rng, monkeypatch, one_block):
-    """The keys-only unique of strided layers, both ways (one thread block; mark, library
-    scan, compact): the first M keys are np.unique's and the first M coordinate rows
-    their unpacked rows, M is written into the report slot asked for, and no other."""
-    from numba_sc.core import conventions as cv
-    from numba_sc.core.backend import to_host
-    from numba_sc.map import sorting
-
-    if not one_block:
-        monkeypatch.setattr(sorting, "ONE_BLOCK_MAX", 0)
-    for n, span, batch in [(1, 5, 0), (300, 4, 3), (700, 300, 0), (2000, 6, 2)]:
-        rows = rng.integers(-span, span, size=(n, 3))
-        if batch:
-            rows = np.column_stack([rng.integers(0, batch, n), rows])
-        rows = rows.astype(np.int32)
-        keys = cv.pack_keys(rows)
-        report = np.full(3, -5, np.int64)
-        got, coords = sorting.sort_unique_keys_cuda(keys.copy(), report, 2, 1 if batch else 0)
-        want = np.unique(keys)
-        assert report[2] == len(want) and report[0] == report[1] == -5
-        np.testing.assert_array_equal(to_host(got)[:len(want)], want)
-        np.testing.assert_array_equal(to_host(coords)[:len(want)], np.unique(rows, axis=0))
