@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from .device import simulating
+from .device import device_xp, simulating
 from .state import remember
 
 
@@ -162,8 +162,6 @@ _READS = threading.local()  # (slot, device) -> this thread's pinned buffer, its
 
 
 # ------------------------------------------- placeholders: arrays a kernel never touches
-from .device import device_xp  # noqa: E402  (kept with what uses them)
-from .state import remember  # noqa: E402
 
 
 def placeholder(shape=(1, 1)):
