@@ -80,7 +80,7 @@ from ..core.backend import filled, like, read_later, resolve_backend, to_device,
 from ..core.pieces import as_array, piece, piece_template
 from .backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backward_search_cuda, backward_search_reference, check_block_sizes,
                               max_balanced_blocks, num_source_blocks, split_query_blocks_reference)
-from ..dataflows import choice as ch
+from . import method as ch
 from . import grid_map
 from . import hash_map
 from .forward_search import forward_search_cuda, forward_search_reference, mirror_reference

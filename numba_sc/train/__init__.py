@@ -1,7 +1,6 @@
-"""Training: the backward pass of every layer, the tape that plays it, losses, optimizers, the loop.
+"""Training: the tape that plays each layer's backward pass, losses, optimizers, the loop
+(the convolution's own gradient is the layer's, :mod:`numba_sc.conv.gradient`).
 
-    conv_gradient   the gradient of a sparse convolution (input: the transposed layer on the
-                    same plan; weight: one batched GEMM per group of offsets)
     tape            Tape: records each layer's backward step in the forward pass, plays them back
     loss            cross-entropy and its gradient
     optim           SGD and AdamW, in place; learning-rate schedules
