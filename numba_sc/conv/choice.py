@@ -6,7 +6,7 @@ features through global-memory buffers and wins when the GEMMs are large;
 fetch-on-demand (``"fetch"``) and implicit GEMM (``"implicit"``) move no
 buffers but compute on CUDA cores here (Numba has no tensor-core intrinsics;
 the one exception is the implicit GEMM in fp16 on a GPU, whose rung v4 calls a
-tensor-core ``mma`` in linked CUDA C++, :func:`numba_sc.dataflows.implicit_plan.library_rung`),
+tensor-core ``mma`` in linked CUDA C++, :func:`numba_sc.dataflows.implicit_driver.library_rung`),
 so they can only win where the buffers, not the multiplications, cost the most:
 few channels, small clouds, where a layer is a handful of short launches. So
 ``sparse_conv3d(..., dataflow="auto")`` asks this module per layer, the way the
@@ -35,7 +35,7 @@ import numpy as np
 
 from ..core.measure import Choice, size_class
 from ..core.state import STATE
-from ..dataflows.implicit_gemm import library_rung
+from ..dataflows.implicit_driver import library_rung
 from .arguments import where
 
 DATAFLOWS = ("gmas", "fetch", "implicit")

@@ -32,8 +32,10 @@ import numpy as np
 
 from ..core.backend import resolve_backend, to_device, to_host
 from ..core.device import array_module, device_xp
-from ..dataflows.fetch_on_demand import fetch_on_demand_cuda, fetch_on_demand_reference, fetch_plan
-from ..dataflows.implicit_gemm import implicit_gemm_cuda, implicit_gemm_reference, implicit_plan
+from ..dataflows.fetch_driver import fetch_on_demand_cuda, fetch_plan
+from ..dataflows.fetch_on_demand import fetch_on_demand_reference
+from ..dataflows.implicit_driver import implicit_gemm_cuda, implicit_plan
+from ..dataflows.implicit_gemm import implicit_gemm_reference
 from ..gmas import gemm_grouping as gg
 from ..gmas.gather import gather_cuda, gather_reference
 from ..gmas.scatter import scatter_cuda, scatter_reference

@@ -86,7 +86,7 @@ def test_rule_by_cloud_density_and_size():
     """The measured table's boundaries: a large sparse cloud runs gmas even when given its
     map; a large dense one runs implicit up to 16 channels, and up to 64 in fp32, or in
     fp16 where the implicit GEMM has its tensor-core rung (v4: a GPU, not the simulator)."""
-    from numba_sc.dataflows.implicit_gemm import library_rung
+    from numba_sc.dataflows.implicit_driver import library_rung
 
     big, dense, sparse = 600_000, 16.0, 0.4
     assert ch.rule_dataflow(4, 16, np.float32, big, True, sparse) == "gmas"
