@@ -141,10 +141,10 @@ class KernelMap:
     in_masks: object = field(default=None, repr=False)
     # Remembered by the GMaS step, not part of the map's value: the submanifold centre
     # (numba_sc.gmas.metadata.submanifold_centre) and, for a map passed to a layer again,
-    # its latest plan with the policy it was built for (numba_sc.gmas.conv.layer_plan).
+    # its latest plan with the policy it was built for (numba_sc.conv.prepare.layer_plan).
     known_centre: int = field(default=None, repr=False, compare=False)
     kept_plan: tuple = field(default=None, repr=False, compare=False)
-    # The other dataflows' plans (numba_sc.gmas.conv._dataflow_plan), kept like kept_plan: keyed by
+    # The other dataflows' plans (numba_sc.conv.dataflow.dataflow_plan), kept like kept_plan: keyed by
     # (dataflow, transposed, skipped offset); and the transposed layer's table in weight order.
     kept_plans: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -859,7 +859,7 @@ def build_kernel_map(in_coords: cv.Array, kernel_size: cv.IntOr3 = 3, stride: cv
         per lookup (:mod:`numba_sc.map.grid_map`; refused when the box is too large).
         ``"auto"`` (the default): the method :func:`choose_map_method` measured
         fastest for clouds of this size, else the rule of thumb of
-        :mod:`numba_sc.dataflows.choice`.
+        :mod:`numba_sc.map.method`.
         ``source_block`` and ``query_block`` matter to "sorted" only.
     while_reading : callable, optional
         Kernel path with ``assume_sorted=True`` only (ignored otherwise): called
