@@ -42,8 +42,8 @@ output written once; ``2 r n C_in C_out`` flops on the CUDA cores (Numba has no
 mma intrinsics: v1-v3 widen fp16 to fp32), against cuBLAS on the tensor cores for
 gather-GEMM-scatter in fp16, hence v4, whose tile product is CUDA C++ linked in
 (:mod:`numba_sc.dataflows.tensor_cores`). SemanticKITTI at 0.05 m, 64 channels:
-195 MB of gmas buffers (~58 us at 3.35 TB/s), 1.56 GFLOP (~26 us at 60 TFLOP/s
-FP32), typed: napkin math. Measured figures: ``docs/performance.md``,
+195 MB of gmas buffers, ~58 us at 3.35 TB/s (typed: napkin math), and 1.56 GFLOP,
+~26 us at 60 TFLOP/s FP32 (typed: napkin math). Measured figures: ``docs/performance.md``,
 "dataflows/implicit_gemm.py".
 
 The ladder, one idea a rung (``python -m numba_sc ladder implicit_gemm``, recorded in
