@@ -45,7 +45,7 @@ def bench_numba_sc(coords, cin, cout, dtype, args, rec):
     import cupy
 
     import numba_sc
-    from numba_sc.gmas.conv import prepare_layer
+    from numba_sc.conv.prepare import prepare_layer
     from numba_sc.gmas.gather import gather_cuda
     from numba_sc.gmas.gemm_grouping import centre_product_cuda, grouped_gemm_cuda, product_dtype
     from numba_sc.map.map_step import build_kernel_map

@@ -7,10 +7,12 @@ docstring that teaches it, the NumPy reference and the CUDA kernels (Numba):
     coords/      1 voxelization, 2 output coordinates
     map/         3 sorting, 4 query segments, 5 backward search, 6 forward search, the Map
                  step (kernel_map); its alternatives: hash table, dense grid, their probe
-    gmas/        7 metadata, 8 gather, 9 GEMM grouping, 10 scatter, 11 autotuning; the layer (conv)
-    dataflows/   fetch-on-demand, implicit GEMM, and the per-layer choice between dataflows
+    gmas/        7 metadata, 8 gather, 9 GEMM grouping, 10 scatter, 11 autotuning
+    dataflows/   fetch-on-demand, implicit GEMM (their lessons, and the drivers of their plans)
+    conv/        the layer: checks, map and plans, one dataflow run, the choice between
+                 dataflows, autotune and choose_dataflow, the layer's gradient
     nn/          layers with weights, the pointwise kernels, the two models, spconv's weight format
-    train/       the convolution's gradient, the tape, loss, optimizers, labels, the loop
+    train/       the tape, loss, optimizers, labels, the loop
     tools/       ladder, check, trace, demo, synthetic scenes, the float64 oracle of gradients
 
 The names below are the public API; every module is importable by its path
@@ -23,8 +25,9 @@ from .core.backend import resolve_backend
 from .core.state import clear_caches
 from .core.conventions import kernel_offsets, key_delta, pack_keys, unpack_keys
 from .gmas.autotune import TileChoice, heuristic_tile
-from .gmas.conv import autotune, choose_dataflow, sparse_conv3d
-from .train.conv_gradient import sparse_conv3d_backward
+from .conv.layer import sparse_conv3d
+from .conv.tuning import autotune, choose_dataflow
+from .conv.gradient import sparse_conv3d_backward
 from .core.tensor import SparseTensor
 from . import nn
 from .nn import models, spconv_format

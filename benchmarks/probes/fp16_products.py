@@ -12,7 +12,7 @@ the buffer's bytes, doubled.
 
 For a 3x3x3 submanifold layer on the SemanticKITTI scan at 0.05 m, C -> C channels for
 each C of ``--channels``, fp16 features, one map and plan built up front, this times the
-GMaS step (centre product, gather, grouped GEMMs, scatter: ``numba_sc.gmas.conv.gmas``)
+GMaS step (centre product, gather, grouped GEMMs, scatter: ``numba_sc.conv.dataflow.gather_gemm_scatter``)
 with the float32 buffer (now) and the float16 one (``products=np.float16``, as before),
 interleaved call by call (``common.interleaved``; wall clock between device-wide
 synchronizes, and CUDA events), and the largest difference of the two outputs (they
@@ -46,7 +46,9 @@ def main():
     import cupy
 
     import numba_sc as ns
-    from numba_sc.gmas.conv import gmas, prepare_layer, resolve_tiles
+    from numba_sc.conv.arguments import resolve_tiles
+    from numba_sc.conv.dataflow import gather_gemm_scatter
+    from numba_sc.conv.prepare import prepare_layer
 
     coords = scan_coords(find_data(args.data), "kitti")
     rng = np.random.default_rng(0)
@@ -67,7 +69,7 @@ def main():
                      else [("fp32 layer", None)])
             for name, products in kinds:
                 calls[name] = (lambda f=f, w=w, plan=plan, tiles=tiles, products=products:
-                               gmas(f, w, plan, tiles, "cuda", products=products))
+                               gather_gemm_scatter(f, w, plan, tiles, "cuda", products=products))
                 outputs[name] = calls[name]()
         diff = float(cupy.abs(outputs["fp16, fp32 products"].astype(np.float32)
                               - outputs["fp16, fp16 products"].astype(np.float32)).max())

@@ -54,7 +54,7 @@ above; ``.trans`` transposes each matrix on the way, which turns a row-major
 the ``B`` layout. One instruction replaces eight 2-byte loads per lane.
 
 Napkin math, a warp tile of 32 x 32 outputs (two 16-row by four 8-column mma
-tiles, :func:`numba_sc.dataflows.implicit_gemm.v4_shape`) over 16 input
+tiles, :func:`numba_sc.dataflows.implicit_shapes.v4_shape`) over 16 input
 channels: 8 ``mma`` (16,384 FMAs); its fragments are 2 ``ldmatrix.x4`` of ``A``
 and 2 of ``B``, 2 KB of shared memory. An SM reads about 128 bytes of shared
 memory per clock, so four such warps read for 64 clocks for 64K FMAs, which
@@ -74,7 +74,6 @@ runs the Python rungs.
 """
 from __future__ import annotations
 
-from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +81,7 @@ from numba import cuda, float32, types
 from numba.core.extending import intrinsic
 
 from ..core.device import simulating
+from ..core.state import cached
 
 MMA_SOURCE = Path(__file__).with_name("mma.cu")  # shipped with the package (pyproject: package-data)
 MMA_SHAPES = ((1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4))  # warp tiles mma.cu defines: (16-row, 8-column) tiles
@@ -110,7 +110,7 @@ def check_gpu(what: str):
                            "the highest Python rung; run this with NUMBA_ENABLE_CUDASIM=0 on a GPU")
 
 
-@cache
+@cached
 def warp_mma(mi: int, ni: int):
     """The C++ device function ``implicit_mma_m<mi>n<ni>`` of ``mma.cu``, declared for
     Numba: a warp adds ``A[row0 : row0 + 16 mi] @ B[:, col0 : col0 + 8 ni]`` over
@@ -152,7 +152,7 @@ def c_layout_reference() -> np.ndarray:
     return np.stack([lane // 4 + (r // 2) * 8, (lane % 4) * 2 + r % 2], axis=-1)
 
 
-@cache
+@cached
 def _probe_kernel():
     mma = warp_mma(1, 2)
     pitch = 24  # 16 columns + 8: 48-byte rows, 16-byte aligned

@@ -22,7 +22,7 @@ Cost: ``d(C_in) + d(C_out)`` timed launches per round (``d`` = number of
 divisors; 9 + 9 for 256 channels), once per layer before inference.
 
 Timing only means something on a real GPU. Under the simulator (or with the
-reference backend) :func:`numba_sc.autotune` (in :mod:`numba_sc.gmas.conv`, which
+reference backend) :func:`numba_sc.autotune` (in :mod:`numba_sc.conv.tuning`, which
 prepares the layer as the convolution does and hands its samples to
 :func:`search_tiles`) uses :func:`heuristic_tile` instead, unless
 a ``timer`` is injected (how the tests exercise the search). The heuristic:

@@ -149,9 +149,9 @@ class KernelMap:
     # numba_sc.gmas.layout.submanifold_centre the first time it is asked).
     known_centre: int = field(default=None, repr=False, compare=False)
     # For a map passed to a layer again: its latest GMaS plan with the policy it was
-    # built for, (key, plan) (numba_sc.gmas.conv.layer_plan).
+    # built for, (key, plan) (numba_sc.conv.prepare.layer_plan).
     kept_plan: tuple = field(default=None, repr=False, compare=False)
-    # The other dataflows' plans (numba_sc.gmas.conv), kept like kept_plan, keyed by
+    # The other dataflows' plans (numba_sc.conv.dataflow.dataflow_plan), kept like kept_plan, keyed by
     # (dataflow, transposed, skipped offset); and under "transposed table" the
     # transposed layer's table in weight order.
     kept_plans: dict = field(default_factory=dict, repr=False, compare=False)

@@ -66,8 +66,8 @@ from . import maps_up_front
 from .tape import add_param_grad, current_tape
 from ..core.device import array_module, require_device
 from ..core.backend import like, resolve_backend, to_device, to_host
-from ..train.conv_gradient import sparse_conv3d_backward
-from ..gmas.conv import convolve
+from ..conv.gradient import sparse_conv3d_backward
+from ..conv.layer import convolve
 from ..core.tensor import CoordinateMaps, SparseTensor, map_key, same_coordinates
 
 _BACKEND = contextvars.ContextVar("numba_sc_nn_backend", default=None)
@@ -440,7 +440,7 @@ class ConvLayer(Module):
         return y
 
     def _record(self, x, y, km, transposed, bk, kept):
-        """On an open tape: this layer's backward step (:mod:`numba_sc.train.conv_gradient`);
+        """On an open tape: this layer's backward step (:mod:`numba_sc.conv.gradient`);
         ``kept``: the forward's input buffer (:meth:`_conv`)."""
         tape = current_tape()
         if tape is not None:

@@ -99,7 +99,7 @@ def build_maps(plan: MapPlan, x) -> None:
             coords[path] = finish_output_coords(p, counts[2 * i:2 * i + 2])
     # 3. every map queued, then their reports read together
     nodes = [((), plan, root_stride)] + levels
-    def start(c, ks, st, dil, ts, out=None):  # as a layer builds its map (gmas.conv), the read left for later
+    def start(c, ks, st, dil, ts, out=None):  # as a layer builds its map (conv.prepare), the read left for later
         return start_kernel_map_cuda(c, ks, st, dil, ts, out_coords=out, assume_sorted=True, masks=True,
                                      method=auto_map_method(c.shape[0], ks, st, dil, ts), read=False)
 

@@ -21,7 +21,7 @@ Arrays are told apart by identity (``id``): every layer returns a new feature
 array, and the tape holds a reference to each array it recorded, so no id is
 reused while the tape lives. Layers whose output *is* their input
 (:class:`numba_sc.nn.Identity`) record nothing: the gradient flows through
-unchanged. The kernels each step calls are in :mod:`numba_sc.train.conv_gradient` (the
+unchanged. The kernels each step calls are in :mod:`numba_sc.conv.gradient` (the
 convolutions) and :mod:`numba_sc.nn.pointwise` (the rest).
 """
 from __future__ import annotations

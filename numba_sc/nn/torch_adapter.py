@@ -42,8 +42,8 @@ import torch
 
 from ..core import conventions as cv
 from ..core.tensor import CoordinateMaps, SparseTensor, map_key
-from ..gmas.conv import sparse_conv3d
-from ..train.conv_gradient import sparse_conv3d_backward
+from ..conv.layer import sparse_conv3d
+from ..conv.gradient import sparse_conv3d_backward
 
 __all__ = ["SparseConv", "TorchSubMConv3d", "TorchSparseConv3d", "TorchSparseInverseConv3d", "sparse_conv",
            "to_array", "to_tensor"]

@@ -86,7 +86,7 @@ def default_stages():
         return output_coordinates(coords, 2, backend=backend)
 
     def conv_layer(ctx, backend):
-        from ..gmas.conv import SparseTensor, sparse_conv3d
+        from ..conv.layer import SparseTensor, sparse_conv3d
 
         x = SparseTensor(ctx["voxels"].coords, ctx["conv_features"])
         return sparse_conv3d(x, ctx["conv_weight"], kernel_size=3, backend=backend)

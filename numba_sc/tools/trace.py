@@ -40,7 +40,7 @@ from ..core.device import device_xp
 from ..core.backend import resolve_backend, to_host
 from ..map.backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backward_search_cuda, backward_search_reference,
                               max_balanced_blocks, split_query_blocks_reference)
-from ..gmas.conv import SparseTensor, prepare_layer
+from ..conv.prepare import SparseTensor, prepare_layer
 from ..gmas.gather import gather_cuda, gather_reference
 from ..gmas.scatter import scatter_cuda, scatter_reference
 

@@ -1,7 +1,7 @@
-"""Training: the convolution's backward pass, losses, optimizers, the loop.
+"""Training: losses, optimizers, labels, the loop (the convolution's own gradient is the
+layer's, :mod:`numba_sc.conv.gradient`; the tape that plays each layer's backward step is
+:mod:`numba_sc.nn.tape`).
 
-    conv_gradient   the gradient of a sparse convolution (input: the transposed layer on the
-                    same plan; weight: one batched GEMM per group of offsets)
     loss            cross-entropy and its gradient
     optim           SGD and AdamW, in place; learning-rate schedules
     labels          SemanticKITTI's label ids, classes, per-voxel labels and scores

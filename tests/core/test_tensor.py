@@ -1,5 +1,5 @@
 """SparseTensor: coordinates sorted once on construction, features that are not
-finite refused. (The errors of a tensor given to a layer are in gmas/test_conv.py.)"""
+finite refused. (The errors of a tensor given to a layer are in conv/test_layer.py.)"""
 import numpy as np
 import pytest
 

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 import numba_sc
+from numba_sc.dataflows import fetch_driver as fdr
 from numba_sc.dataflows import fetch_on_demand as fd
+from numba_sc.dataflows import fetch_shapes as fsh
 from numba_sc.core.backend import to_host
 
 RTOL32 = 1e-5
@@ -80,9 +82,9 @@ def run_all(f, w, km, init=None, skip=-1, rungs=fd.LADDER.names, tile_p=None):
     ref = fd.fetch_on_demand_reference(f, w, table, init, skip)
     assert ref.dtype == f.dtype and ref.shape == want.shape
     assert_close(ref, want, rtol(f.dtype))
-    plan = fd.fetch_plan(table, km.host_counts(), skip, tile_p)
+    plan = fdr.fetch_plan(table, km.host_counts(), skip, tile_p)
     for rung in rungs:
-        got = fd.fetch_on_demand_rung(rung, f, w, plan, table.shape[1], init)
+        got = fdr.fetch_on_demand_rung(rung, f, w, plan, table.shape[1], init)
         assert got.dtype == f.dtype, rung
         assert_close(got, want, rtol(f.dtype))
         assert_close(got, ref, rtol(f.dtype))
@@ -103,14 +105,14 @@ def test_worked_example_of_the_docstring():
     f = np.array([[1], [2], [3]], np.float32)
     w = np.array([10, 100, 1000], np.float32).reshape(3, 1, 1)
     init = f * 100  # the centre, done densely
-    plan = fd.fetch_plan(table, counts, skip=1, tile_p=64)
+    plan = fdr.fetch_plan(table, counts, skip=1, tile_p=64)
     assert plan.in_rows.tolist() == [0, 1] and plan.out_rows.tolist() == [1, 0]
     assert plan.block_offset.tolist() == [0, 2]
     assert plan.block_start.tolist() == [0, 1] and plan.block_stop.tolist() == [1, 2]
     want = [[2100], [210], [300]]
     assert fd.fetch_on_demand_reference(f, w, table, init, skip=1).tolist() == want
     for rung in fd.LADDER.names:
-        assert fd.fetch_on_demand_rung(rung, f, w, plan, 3, init).tolist() == want
+        assert fdr.fetch_on_demand_rung(rung, f, w, plan, 3, init).tolist() == want
     assert init.tolist() == [[100], [200], [300]]  # not modified
 
 
@@ -140,7 +142,7 @@ def test_v2_several_channel_tiles(rng, dtype):
     tiles are 8 deep and 8 wide), the last of each partly past the end."""
     km = kmap(rng, 50)
     f, w = data(rng, len(km.in_coords), 27, 19, 17, dtype)
-    assert fd.v2_tiles(19, 17, simulated=True)[1:3] == (8, 8)
+    assert fsh.v2_tiles(19, 17, simulated=True)[1:3] == (8, 8)
     run_all(f, w, km, rungs=("v2",))
 
 
@@ -182,7 +184,7 @@ def test_offsets_with_zero_pairs(rng):
     assert (counts == 0).sum() == 18 and counts.sum() > 0
     f, w = data(rng, len(km.in_coords), 27, 5, 4)
     run_all(f, w, km, tile_p=5)
-    plan = fd.fetch_plan(km.table, counts, tile_p=5)
+    plan = fdr.fetch_plan(km.table, counts, tile_p=5)
     assert set(to_host(plan.block_offset).tolist()) == set(np.flatnonzero(counts).tolist())  # no block for them
 
 
@@ -200,10 +202,10 @@ def test_gpu_tiles_under_the_simulator(rng, dtype):
     km = kmap(rng, 150, kernel_size=(1, 3, 1))
     assert km.table.shape[0] == 3 and km.host_counts()[1] > 128
     f, w = data(rng, len(km.in_coords), 3, 6, 5, dtype)
-    tiles = fd.v2_tiles(6, 5, simulated=False)
+    tiles = fsh.v2_tiles(6, 5, simulated=False)
     assert tiles == (64, 8, 8, 4, 1)
-    plan = fd.fetch_plan(km.table, km.host_counts(), tile_p=64)
-    got = fd.fetch_on_demand_rung("v2", f, w, plan, km.table.shape[1], tiles=tiles)
+    plan = fdr.fetch_plan(km.table, km.host_counts(), tile_p=64)
+    got = fdr.fetch_on_demand_rung("v2", f, w, plan, km.table.shape[1], tiles=tiles)
     assert_close(got, fd.fetch_on_demand_reference(f, w, km.table), rtol(dtype))
 
 
@@ -212,13 +214,13 @@ def test_no_pairs_gives_init(rng):
     table[13] = np.arange(10)
     f, w = data(rng, 10, 27, 4, 3)
     init = rng.standard_normal((10, 3)).astype(np.float32)
-    plan = fd.fetch_plan(table, (table >= 0).sum(1), skip=13)
+    plan = fdr.fetch_plan(table, (table >= 0).sum(1), skip=13)
     assert plan.n_pairs == 0 and plan.n_blocks == 0
     for rung in fd.LADDER.names:
-        np.testing.assert_array_equal(to_host(fd.fetch_on_demand_rung(rung, f, w, plan, 10, init)), init)
-        np.testing.assert_array_equal(to_host(fd.fetch_on_demand_rung(rung, f, w, plan, 10)),
+        np.testing.assert_array_equal(to_host(fdr.fetch_on_demand_rung(rung, f, w, plan, 10, init)), init)
+        np.testing.assert_array_equal(to_host(fdr.fetch_on_demand_rung(rung, f, w, plan, 10)),
                                       np.zeros((10, 3), np.float32))
-    assert fd.fetch_on_demand_cuda(f, w, plan, 10, init) is not init
+    assert fdr.fetch_on_demand_cuda(f, w, plan, 10, init) is not init
 
 
 # ------------------------------------------------------------------ the plan
@@ -227,7 +229,7 @@ def test_plan_kernel_matches_reference(rng):
         counts = km.host_counts()
         K = km.table.shape[0]
         for skip, tile_p in ((-1, None), (K // 2, 1), (0, 7), (K - 1, 64)):
-            plan = fd.fetch_plan(km.table, counts, skip, tile_p)
+            plan = fdr.fetch_plan(km.table, counts, skip, tile_p)
             plans_equal(plan, fd.fetch_plan_reference(km.table, counts, skip, tile_p))
             # every pair once, blocks within their offset's range and at most tile_p long
             n = int(counts.sum() - (counts[skip] if skip >= 0 else 0))
@@ -253,21 +255,21 @@ def test_comparison_catches_an_off_by_one(rng):
     km = kmap(rng, 60)
     f, w = data(rng, len(km.in_coords), 27, 4, 4)
     ref = fd.fetch_on_demand_reference(f, w, km.table)
-    plan = fd.fetch_plan(km.table, km.host_counts())
-    assert_close(fd.fetch_on_demand_rung("v2", f, w, plan, km.table.shape[1]), ref, RTOL32)
+    plan = fdr.fetch_plan(km.table, km.host_counts())
+    assert_close(fdr.fetch_on_demand_rung("v2", f, w, plan, km.table.shape[1]), ref, RTOL32)
 
-    shifted = fd.FetchPlan(**{**plan.__dict__, "out_rows": plan.out_rows.copy()})
+    shifted = fsh.FetchPlan(**{**plan.__dict__, "out_rows": plan.out_rows.copy()})
     p = int(np.flatnonzero(to_host(plan.out_rows) < km.table.shape[1] - 1)[0])
     shifted.out_rows[p] += 1  # one pair's output row off by one
-    err = rel_err(fd.fetch_on_demand_rung("v2", f, w, shifted, km.table.shape[1]), ref)
+    err = rel_err(fdr.fetch_on_demand_rung("v2", f, w, shifted, km.table.shape[1]), ref)
     assert err > 1000 * RTOL32, err  # one product moved: far beyond the fp32 tolerance
     with pytest.raises(AssertionError):
-        assert_close(fd.fetch_on_demand_rung("v1", f, w, shifted, km.table.shape[1]), ref, RTOL32)
+        assert_close(fdr.fetch_on_demand_rung("v1", f, w, shifted, km.table.shape[1]), ref, RTOL32)
 
     counts = km.host_counts()
     k = int(np.flatnonzero((counts > 0) & (np.arange(27) != 13))[0])
-    dropped = fd.fetch_plan(km.table, counts, skip=k)  # one offset left out, no init for it
-    assert rel_err(fd.fetch_on_demand_rung("v2", f, w, dropped, km.table.shape[1]), ref) > 1000 * RTOL32
+    dropped = fdr.fetch_plan(km.table, counts, skip=k)  # one offset left out, no init for it
+    assert rel_err(fdr.fetch_on_demand_rung("v2", f, w, dropped, km.table.shape[1]), ref) > 1000 * RTOL32
 
 
 # ---------------------------------------------------------------- bad input
@@ -276,36 +278,36 @@ def test_bad_input(rng):
     K, n_out = km.table.shape
     counts = km.host_counts()
     f, w = data(rng, len(km.in_coords), K, 4, 3)
-    plan = fd.fetch_plan(km.table, counts)
+    plan = fdr.fetch_plan(km.table, counts)
     with pytest.raises(TypeError, match="weight"):
-        fd.fetch_on_demand_cuda(f, w.astype(np.float16), plan, n_out)
+        fdr.fetch_on_demand_cuda(f, w.astype(np.float16), plan, n_out)
     with pytest.raises(TypeError, match="features"):
-        fd.fetch_on_demand_cuda(f.astype(np.float64), w, plan, n_out)
+        fdr.fetch_on_demand_cuda(f.astype(np.float64), w, plan, n_out)
     with pytest.raises(ValueError, match="weight"):
-        fd.fetch_on_demand_cuda(f, w[:, :3], plan, n_out)  # C_in 3 != 4
+        fdr.fetch_on_demand_cuda(f, w[:, :3], plan, n_out)  # C_in 3 != 4
     with pytest.raises(ValueError, match="weight"):
-        fd.fetch_on_demand_cuda(f, w[:5], plan, n_out)  # K 5 != 27
+        fdr.fetch_on_demand_cuda(f, w[:5], plan, n_out)  # K 5 != 27
     with pytest.raises(ValueError, match="weight"):
         fd.fetch_on_demand_reference(f, w[0], km.table)
     with pytest.raises(TypeError, match="table"):
-        fd.fetch_plan(km.table.astype(np.int64), counts)
+        fdr.fetch_plan(km.table.astype(np.int64), counts)
     with pytest.raises(ValueError, match="table"):
-        fd.fetch_plan(km.table[0], counts)
+        fdr.fetch_plan(km.table[0], counts)
     with pytest.raises(TypeError, match="table"):
         fd.fetch_on_demand_reference(f, w, km.table.astype(np.int64))
     with pytest.raises(ValueError, match="counts_host"):
-        fd.fetch_plan(km.table, counts[:-1])
+        fdr.fetch_plan(km.table, counts[:-1])
     with pytest.raises(ValueError, match="skip"):
-        fd.fetch_plan(km.table, counts, skip=K)
+        fdr.fetch_plan(km.table, counts, skip=K)
     with pytest.raises(ValueError, match="tile_p"):
-        fd.fetch_plan(km.table, counts, tile_p=0)
+        fdr.fetch_plan(km.table, counts, tile_p=0)
     with pytest.raises(ValueError, match="init"):
-        fd.fetch_on_demand_cuda(f, w, plan, n_out, init=np.zeros((n_out, 4), np.float32))
+        fdr.fetch_on_demand_cuda(f, w, plan, n_out, init=np.zeros((n_out, 4), np.float32))
     with pytest.raises(ValueError, match="init"):
         fd.fetch_on_demand_reference(f, w, km.table, init=np.zeros((n_out + 1, 3), np.float32))
     with pytest.raises(ValueError, match="n_out"):
-        fd.fetch_on_demand_cuda(f, w, plan, n_out + 1)
+        fdr.fetch_on_demand_cuda(f, w, plan, n_out + 1)
     with pytest.raises(TypeError, match="plan"):
-        fd.fetch_on_demand_cuda(f, w, km.table, n_out)
+        fdr.fetch_on_demand_cuda(f, w, km.table, n_out)
     with pytest.raises(ValueError, match="rung"):
-        fd.fetch_on_demand_rung("v9", f, w, plan, n_out)
+        fdr.fetch_on_demand_rung("v9", f, w, plan, n_out)

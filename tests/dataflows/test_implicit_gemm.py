@@ -24,7 +24,9 @@ import pytest
 from numba import cuda
 
 import numba_sc
+from numba_sc.dataflows import implicit_driver as idr
 from numba_sc.dataflows import implicit_gemm as ig
+from numba_sc.dataflows import implicit_shapes as ish
 from numba_sc.dataflows import tensor_cores as tc
 from numba_sc.core.backend import to_device, to_host
 from numba_sc.core.conventions import MASK_BITS
@@ -108,14 +110,14 @@ def test_skip_plus_centre_product_is_the_whole_sum(rng):
     full = ig.implicit_gemm_reference(f, w, table)
     centre = oracle(f, w[CENTRE:CENTRE + 1], table[CENTRE:CENTRE + 1]).astype(np.float32)
     assert_close(ig.implicit_gemm_reference(f, w, table, centre, skip=CENTRE), full, RTOL32)
-    plan = ig.implicit_plan(table, skip=CENTRE)
-    assert_close(ig.implicit_gemm_cuda(f, w, table, plan, centre), full, RTOL32)
+    plan = idr.implicit_plan(table, skip=CENTRE)
+    assert_close(idr.implicit_gemm_cuda(f, w, table, plan, centre), full, RTOL32)
 
 
 # ------------------------------------------------------------------- the plan
 def test_worked_example_of_the_docstring():
     table = np.array([[5, -1, 7, -1], [-1, 2, -1, 3], [0, -1, 4, -1]], dtype=np.int32)
-    for make in (ig.implicit_plan_reference, ig.implicit_plan):
+    for make in (ig.implicit_plan_reference, idr.implicit_plan):
         plan = make(table, tile_m=16).host()
         assert plan.order.tolist() == [[1, 3, 0, 2]]
         assert ig.output_masks_reference(table).tolist() == [[0b101, 0b010, 0b101, 0b010]]
@@ -131,7 +133,7 @@ def test_worked_example_of_the_docstring():
     (3, 1, -1, 16), (3, 2, CENTRE, 16), (3, 3, CENTRE, 32), (3, 27, 0, 16), (5, 1, 62, 16), (5, 4, -1, 64)])
 def test_plan_kernel_equals_plan_reference(rng, kernel_size, splits, skip, tile_m):
     table, _, _ = layer(rng, n=150, extent=8, kernel_size=kernel_size)
-    got = ig.implicit_plan(table, splits, skip, tile_m).host()
+    got = idr.implicit_plan(table, splits, skip, tile_m).host()
     want = ig.implicit_plan_reference(table, splits, skip, tile_m)
     np.testing.assert_array_equal(got.order, want.order)
     np.testing.assert_array_equal(got.tile_masks, want.tile_masks)
@@ -174,9 +176,9 @@ def test_every_rung_equals_the_reference(rng, dtype):
     init = centre_init(f, w, rng)
     want = ig.implicit_gemm_reference(f, w, table, init, 4)
     assert_close(want, oracle(f, w, table, init, 4), tol(dtype))
-    plan = ig.implicit_plan(table, splits=2, skip=4)
+    plan = idr.implicit_plan(table, splits=2, skip=4)
     for rung in ig.LADDER.names:
-        got = to_host(ig.implicit_gemm_rung(rung, f, w, table, plan, init))
+        got = to_host(idr.implicit_gemm_rung(rung, f, w, table, plan, init))
         assert got.dtype == np.dtype(dtype), rung
         assert rel_err(got, want) <= tol(dtype) / 2, rung
 
@@ -185,10 +187,10 @@ def test_every_rung_equals_the_reference(rng, dtype):
 def test_splits(rng, splits):
     table, f, w = layer(rng, n=150, extent=9, c_in=6, c_out=5)
     init = centre_init(f, w, rng)
-    plan = ig.implicit_plan(table, splits=splits, skip=CENTRE)
-    got = ig.implicit_gemm_cuda(f, w, table, plan, init)
+    plan = idr.implicit_plan(table, splits=splits, skip=CENTRE)
+    got = idr.implicit_gemm_cuda(f, w, table, plan, init)
     assert_close(got, oracle(f, w, table, init, CENTRE), RTOL32)
-    assert_close(ig.implicit_gemm_cuda(f, w, table, plan), oracle(f, w, table, None, CENTRE), RTOL32)
+    assert_close(idr.implicit_gemm_cuda(f, w, table, plan), oracle(f, w, table, None, CENTRE), RTOL32)
 
 
 def test_fp16_splits_round_once(rng):
@@ -198,7 +200,7 @@ def test_fp16_splits_round_once(rng):
     init = centre_init(f, w, rng)
     want = ig.implicit_gemm_reference(f, w, table, init, CENTRE)
     for splits in (1, 3):
-        got = to_host(ig.implicit_gemm_cuda(f, w, table, ig.implicit_plan(table, splits, CENTRE), init))
+        got = to_host(idr.implicit_gemm_cuda(f, w, table, idr.implicit_plan(table, splits, CENTRE), init))
         assert got.dtype == np.float16
         ulp = np.spacing(np.abs(want).astype(np.float16)).astype(np.float32)
         slack = 1e-6 * float(np.abs(want.astype(np.float32)).max())  # (sums in another order)
@@ -210,7 +212,7 @@ def test_strided_map(rng, dtype):
     """Stride 2, 2x2x2 kernel: n_out != n_in, no centre."""
     table, f, w = layer(rng, n=200, extent=10, kernel_size=2, stride=2, c_in=7, c_out=9, dtype=dtype)
     assert table.shape[1] != f.shape[0]
-    got = ig.implicit_gemm_cuda(f, w, table, ig.implicit_plan(table, splits=2))
+    got = idr.implicit_gemm_cuda(f, w, table, idr.implicit_plan(table, splits=2))
     assert_close(got, oracle(f, w, table), tol(dtype))
 
 
@@ -220,16 +222,16 @@ def test_5x5x5_kernel_needs_four_mask_words(rng):
     assert table.shape[0] == 125 and (table[100:] >= 0).any()
     init = centre_init(f, w, rng)
     for splits in (1, 2):
-        plan = ig.implicit_plan(table, splits=splits, skip=62)
+        plan = idr.implicit_plan(table, splits=splits, skip=62)
         assert plan.tile_masks.shape[1] == 4
-        got = ig.implicit_gemm_cuda(f, w, table, plan, init)
+        got = idr.implicit_gemm_cuda(f, w, table, plan, init)
         assert_close(got, oracle(f, w, table, init, 62), RTOL32)
 
 
 @pytest.mark.parametrize("c_in,c_out", [(3, 1), (4, 1), (1, 3)])
 def test_first_and_last_layer_channels(rng, c_in, c_out):
     table, f, w = layer(rng, n=100, extent=8, c_in=c_in, c_out=c_out)
-    got = ig.implicit_gemm_cuda(f, w, table, ig.implicit_plan(table))
+    got = idr.implicit_gemm_cuda(f, w, table, idr.implicit_plan(table))
     assert got.shape == (table.shape[1], c_out)
     assert_close(got, oracle(f, w, table), RTOL32)
 
@@ -239,36 +241,36 @@ def test_the_gpu_tile_shape(rng):
     chunks of 16, the next chunk prefetched) under the simulator, on outputs that do
     not fill the last tile; and the same without the prefetch."""
     table, f, w = layer(rng, n=90, extent=8, c_in=20, c_out=20)
-    plan = ig.implicit_plan(table, skip=CENTRE, tile_m=64)
+    plan = idr.implicit_plan(table, skip=CENTRE, tile_m=64)
     init = centre_init(f, w, rng)
     want = oracle(f, w, table, init, CENTRE)
-    assert_close(ig.implicit_gemm_cuda(f, w, table, plan, init, tiles=ig.Tiles(32, 16, 4, 4)), want, RTOL32)
+    assert_close(idr.implicit_gemm_cuda(f, w, table, plan, init, tiles=ish.Tiles(32, 16, 4, 4)), want, RTOL32)
     table, f, w = layer(rng, n=60, extent=7, c_in=10, c_out=6)
-    no_prefetch = ig.Tiles(8, 4, 4, 4, prefetch=False)  # chunks of 4: three of them
-    got = ig.implicit_gemm_cuda(f, w, table, ig.implicit_plan(table), tiles=no_prefetch)
+    no_prefetch = ish.Tiles(8, 4, 4, 4, prefetch=False)  # chunks of 4: three of them
+    got = idr.implicit_gemm_cuda(f, w, table, idr.implicit_plan(table), tiles=no_prefetch)
     assert_close(got, oracle(f, w, table), RTOL32)
 
 
 def test_the_comparison_can_fail(rng):
     """An off-by-one row, or one offset dropped, is far outside the tolerance."""
     table, f, w = layer(rng, n=120, extent=8, c_in=6, c_out=5)
-    plan = ig.implicit_plan(table)
-    got = ig.implicit_gemm_cuda(f, w, table, plan)
+    plan = idr.implicit_plan(table)
+    got = idr.implicit_gemm_cuda(f, w, table, plan)
     want = oracle(f, w, table)
     assert rel_err(got, want) <= RTOL32
     shifted = np.where(table >= 0, (table + 1) % f.shape[0], -1).astype(np.int32)
-    assert rel_err(ig.implicit_gemm_cuda(f, w, shifted, plan), want) > 100 * RTOL32
+    assert rel_err(idr.implicit_gemm_cuda(f, w, shifted, plan), want) > 100 * RTOL32
     k = int(np.argmin(np.where((table >= 0).sum(1) > 0, (table >= 0).sum(1), 10 ** 9)))  # fewest pairs
     dropped = table.copy()
     dropped[k] = -1
-    assert rel_err(ig.implicit_gemm_cuda(f, w, dropped, ig.implicit_plan(dropped)), want) > 100 * RTOL32
+    assert rel_err(idr.implicit_gemm_cuda(f, w, dropped, idr.implicit_plan(dropped)), want) > 100 * RTOL32
 
 
 # ----------------------------------------------------------------- bad input
 def test_bad_input(rng):
     table, f, w = layer(rng, n=40, extent=5, c_in=3, c_out=2)
-    plan = ig.implicit_plan(table)
-    run = ig.implicit_gemm_cuda
+    plan = idr.implicit_plan(table)
+    run = idr.implicit_gemm_cuda
     with pytest.raises(TypeError, match="weight is float16 but features are float32"):
         run(f, w.astype(np.float16), table, plan)
     with pytest.raises(TypeError, match="features are float64, which runs only on backend='reference'"):
@@ -294,13 +296,13 @@ def test_bad_input(rng):
     with pytest.raises(ValueError, match="skip must be"):
         ig.implicit_gemm_reference(f, w, table, skip=27)
     with pytest.raises(ValueError, match="splits must be"):
-        ig.implicit_plan(table, splits=0)
+        idr.implicit_plan(table, splits=0)
     with pytest.raises(ValueError, match="tile_m must be one of"):
         ig.implicit_plan_reference(table, tile_m=48)
     with pytest.raises(TypeError, match="table must be an int32 array"):
-        ig.implicit_plan(table.astype(np.int64))
+        idr.implicit_plan(table.astype(np.int64))
     with pytest.raises(ValueError, match="rung must be one of"):
-        ig.implicit_gemm_rung("v9", f, w, table, plan)
+        idr.implicit_gemm_rung("v9", f, w, table, plan)
 
 
 # ------------------------------------------------------- v4: tensor cores
@@ -321,17 +323,17 @@ def test_ladder_lists_v4_as_gpu_only_and_the_simulator_runs_v3(rng, capsys, monk
         assert ig.LADDER.names[-1] == "v4"
         return
     assert ig.LADDER.names == ("v1", "v2", "v3")
-    assert ig.library_rung(np.float16, 64, 64) == "v3" and ig.library_rung(np.float32, 64, 64) == "v3"
+    assert idr.library_rung(np.float16, 64, 64) == "v3" and idr.library_rung(np.float32, 64, 64) == "v3"
     with pytest.raises(RuntimeError, match="v4 runs on a GPU only"):
         ig.LADDER.run("v4", {})
     table, f, w = layer(rng, n=25, extent=4, c_in=16, c_out=16, dtype=np.float16)
-    plan = ig.implicit_plan(table)
+    plan = idr.implicit_plan(table)
     with pytest.raises(RuntimeError, match="simulator cannot run"):
-        ig.implicit_gemm_rung("v4", f, w, table, plan)
+        idr.implicit_gemm_rung("v4", f, w, table, plan)
     with pytest.raises(RuntimeError, match="simulator cannot run"):
-        ig.implicit_gemm_cuda(f, w, table, plan, tiles=ig.TensorTiles(16, 16, 4, 4))
+        idr.implicit_gemm_cuda(f, w, table, plan, tiles=ish.TensorTiles(16, 16, 4, 4))
     # fp16 at 16 channels, where a GPU would run v4: the simulator runs v3's kernel
-    assert_close(ig.implicit_gemm_cuda(f, w, table, plan), oracle(f, w, table), RTOL16)
+    assert_close(idr.implicit_gemm_cuda(f, w, table, plan), oracle(f, w, table), RTOL16)
     # the ladder table says v4 was not run, and has no row for it (v3 alone beside it,
     # on this small layer: the rungs' agreement on the ladder's own is tested elsewhere)
     work = {"features": f, "weight": w, "km": SimpleNamespace(table=table), "implicit_plan": plan,
@@ -367,14 +369,14 @@ def test_the_mma_result_layout():
     np.testing.assert_array_equal(to_host(got_d), table)
 
 
-@pytest.mark.parametrize("tile_m", ig.TILE_M_CHOICES)
+@pytest.mark.parametrize("tile_m", ish.TILE_M_CHOICES)
 @pytest.mark.parametrize("c_in,c_out", [(3, 5), (16, 16), (24, 40), (40, 96), (96, 24), (64, 64), (256, 256)])
 def test_v4_tile_shapes(tile_m, c_in, c_out):
     """Every plan tile and channel count gets a warp grid of at most four warps whose
     warp tiles mma.cu defines, covering the block's tile exactly; loads that divide
     the channels; and a row tile the threads split evenly."""
-    tiles = ig.tensor_tiles(c_in, c_out)
-    warps_m, warps_n, mi, ni = ig.v4_shape(tile_m, tiles.tile_n)
+    tiles = ish.tensor_tiles(c_in, c_out)
+    warps_m, warps_n, mi, ni = ish.v4_shape(tile_m, tiles.tile_n)
     assert (mi, ni) in tc.MMA_SHAPES and warps_m * warps_n <= 4
     assert (warps_m * 16 * mi, warps_n * 8 * ni) == (tile_m, tiles.tile_n)
     assert tiles.tile_n >= min(c_out, 64) and tiles.tile_k in (16, 32)
@@ -416,14 +418,14 @@ def test_v4_equals_the_reference(rng, case):
     skip = CENTRE if centre else -1
     init = centre_init(f, w, rng) if centre else None
     assert table.shape[1] % tile_m, "the last tile must be part-filled"
-    plan = ig.implicit_plan(table, splits, skip, tile_m)
+    plan = idr.implicit_plan(table, splits, skip, tile_m)
     want = ig.implicit_gemm_reference(f, w, table, init, skip)
-    got = to_host(ig.implicit_gemm_cuda(f, w, table, plan, init, tiles=ig.tensor_tiles(c_in, c_out)))
+    got = to_host(idr.implicit_gemm_cuda(f, w, table, plan, init, tiles=ish.tensor_tiles(c_in, c_out)))
     assert got.dtype == np.float16 and got.shape == want.shape
     ulp = np.spacing(np.abs(want).astype(np.float16)).astype(np.float32)
     slack = 1e-5 * float(np.abs(want.astype(np.float32)).max())
     assert (np.abs(got.astype(np.float32) - want.astype(np.float32)) <= ulp + slack).all()
-    assert_close(ig.implicit_gemm_rung("v4", f, w, table, plan, init), oracle(f, w, table, init, skip), RTOL16)
+    assert_close(idr.implicit_gemm_rung("v4", f, w, table, plan, init), oracle(f, w, table, init, skip), RTOL16)
 
 
 @GPU_ONLY
@@ -431,13 +433,13 @@ def test_the_library_runs_v4_for_wide_fp16_layers(rng):
     """On a GPU with tensor cores, implicit_gemm_cuda runs v4 for fp16 from
     TENSOR_CORE_MIN_CHANNELS channels (the same result as the explicit v4 tiles),
     v3 for fp32 and narrower layers."""
-    c = ig.TENSOR_CORE_MIN_CHANNELS
-    assert ig.library_rung(np.float16, c, c) == "v4"
-    assert ig.library_rung(np.float32, c, c) == "v3" and ig.library_rung(np.float16, c - 1, c) == "v3"
+    c = idr.TENSOR_CORE_MIN_CHANNELS
+    assert idr.library_rung(np.float16, c, c) == "v4"
+    assert idr.library_rung(np.float32, c, c) == "v3" and idr.library_rung(np.float16, c - 1, c) == "v3"
     table, f, w = layer(rng, n=200, extent=9, c_in=c, c_out=c, dtype=np.float16)
-    plan = ig.implicit_plan(table, skip=CENTRE)
-    auto = to_host(ig.implicit_gemm_cuda(f, w, table, plan))
-    v4 = to_host(ig.implicit_gemm_cuda(f, w, table, plan, tiles=ig.tensor_tiles(c, c)))
+    plan = idr.implicit_plan(table, skip=CENTRE)
+    auto = to_host(idr.implicit_gemm_cuda(f, w, table, plan))
+    v4 = to_host(idr.implicit_gemm_cuda(f, w, table, plan, tiles=ish.tensor_tiles(c, c)))
     np.testing.assert_array_equal(auto, v4)
     with pytest.raises(TypeError, match="v4 multiplies fp16"):
-        ig.implicit_gemm_cuda(f.astype(np.float32), w.astype(np.float32), table, plan, tiles=ig.tensor_tiles(c, c))
+        idr.implicit_gemm_cuda(f.astype(np.float32), w.astype(np.float32), table, plan, tiles=ish.tensor_tiles(c, c))

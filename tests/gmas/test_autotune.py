@@ -6,7 +6,7 @@ from numba_sc import kernel_offsets, sparse_conv3d
 from numba_sc import autotune as autotune_mod_fn  # the function
 from numba_sc.core.device import simulating
 from numba_sc.gmas.autotune import layer_key
-from numba_sc.gmas.conv import resolve_tiles
+from numba_sc.conv.arguments import resolve_tiles
 
 from helpers import assert_close, oracle, tensor, weights
 

@@ -3,7 +3,7 @@ its layers would have built, and the forward pass then builds none."""
 import numpy as np
 import numba_sc as ns
 from numba_sc import nn
-from numba_sc.gmas import conv
+from numba_sc.conv import prepare
 from numba_sc.nn import maps_up_front as mu
 
 from helpers import host, scan_crop
@@ -50,7 +50,7 @@ def test_maps_up_front_equal_the_layers_maps(rng, monkeypatch):
     def no_build(*a, **k):
         raise AssertionError("a layer built a map although every map was built up front")
 
-    monkeypatch.setattr(conv, "build_kernel_map", no_build)
+    monkeypatch.setattr(prepare, "build_kernel_map", no_build)
     got = net(up, backend="cuda")
     _same_maps(lazy.maps, up.maps)
     np.testing.assert_array_equal(host(got.coords), host(want.coords))

@@ -1,4 +1,4 @@
-"""The paper's two networks, checked as the single layer is (gmas/test_conv.py):
+"""The paper's two networks, checked as the single layer is (conv/test_layer.py):
 
 * both run on a crop of a real scan, kernels (under the simulator here) == NumPy
   reference == a float64 *oracle network* written below from the definitions
@@ -15,7 +15,7 @@ import pytest
 
 import numba_sc as ns
 from numba_sc import kernel_offsets, nn
-from numba_sc.gmas import conv
+from numba_sc.conv import prepare
 from numba_sc.nn.models import MinkUNet42, SparseResNet21
 
 from helpers import downsampled, host, oracle, random_bn, rel_err, scan_crop
@@ -132,7 +132,7 @@ def test_unet_builds_each_map_and_plan_once(monkeypatch):
     built once (Map step and metadata); the 4 transposed layers build nothing; the
     decoder reuses the encoder's maps."""
     built = {"map": 0, "plan": 0}
-    real_map, real_plan = conv.build_kernel_map, conv.build_plan
+    real_map, real_plan = prepare.build_kernel_map, prepare.build_plan
 
     def count(kind, fn):
         def wrapped(*a, **k):
@@ -140,8 +140,8 @@ def test_unet_builds_each_map_and_plan_once(monkeypatch):
             return fn(*a, **k)
         return wrapped
 
-    monkeypatch.setattr(conv, "build_kernel_map", count("map", real_map))
-    monkeypatch.setattr(conv, "build_plan", count("plan", real_plan))
+    monkeypatch.setattr(prepare, "build_kernel_map", count("map", real_map))
+    monkeypatch.setattr(prepare, "build_plan", count("plan", real_plan))
     model = MinkUNet42(4, 3, width=0.125)
     x = scan_crop(100)
     calls = []

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 import numba_sc as ns  # noqa: E402
 from numba_sc.core.device import gpu_present, simulating  # noqa: E402
 from numba_sc.core.backend import to_host
-from numba_sc.train.conv_gradient import sparse_conv3d_backward  # noqa: E402
+from numba_sc.conv.gradient import sparse_conv3d_backward  # noqa: E402
 from numba_sc.nn.torch_adapter import (SparseConv, TorchSparseConv3d, TorchSparseInverseConv3d,  # noqa: E402
                                        TorchSubMConv3d, sparse_conv, to_array, to_tensor)
 

@@ -1,13 +1,13 @@
 """The weight gradient's memory: what it zeroes, what it overwrites, what it reuses.
 
-:func:`numba_sc.train.conv_gradient.weight_grad_cuda` allocates its products and the
+:func:`numba_sc.conv.gradient.weight_grad_cuda` allocates its products and the
 gradient without a memset, reads the forward's input buffer and the input gradient's
 gathered buffer instead of gathering again, and relies on both buffers' padding rows
 being zero. Under the simulator a fresh NumPy array is often all zeros, which would hide
 a value never written; so here the device allocations of the weight gradient and of the
 gather hand out NaNs (or huge numbers), as a GPU's memory pool may, and the gather
 allocates as on a GPU (zeroed only where asked). The layer kernels' agreement with the
-reference, on every kind of layer, is in test_conv_gradient.py.
+reference, on every kind of layer, is in tests/conv/test_gradient.py.
 """
 import numpy as np
 import pytest
@@ -15,9 +15,9 @@ import pytest
 import numba_sc as ns
 from numba_sc.core.backend import to_device, to_host
 from numba_sc.core.device import device_xp
-from numba_sc.gmas import conv as conv_module
+from numba_sc.conv import dataflow as conv_module
 from numba_sc.gmas import gather as gather_module
-from numba_sc.train import conv_gradient as cg
+from numba_sc.conv import gradient as cg
 
 
 class _PoolMemory:
@@ -74,7 +74,7 @@ def layer():
     kept = []
     with pytest.MonkeyPatch.context() as mp:  # the forward's buffer zeroes its padding rows itself
         _pool_memory(mp)
-        conv_module.gmas(x.features, w, plan, (1, 1), "cuda", keep_buffer=kept)
+        conv_module.gather_gemm_scatter(x.features, w, plan, (1, 1), "cuda", keep_buffer=kept)
     return dict(x=x, w=w, km=km, plan=plan, g=g, kept=kept[0], want=want)
 
 

@@ -76,18 +76,21 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from ..core import conventions as cv
+from ..core.backend import like, resolve_backend, to_device, to_host
+from ..core.conventions import Array
+from ..core.device import device_xp, simulating
+from ..core.launch import launch
+from ..core.state import remember
+from ..core.tensor import SparseTensor
+from ..core.words import as_words, word_view
 from ..gmas import gemm_grouping as gg
 from ..gmas.autotune import heuristic_tile
-from ..core.device import device_xp, simulating
-from ..core.backend import like, resolve_backend, to_device, to_host
-from ..core.launch import launch
-from ..core.words import as_words, word_view
-from ..gmas.conv import check_map_fits, check_weight, launch_rows_for, layer_plan, gmas, resolve_tiles
 from ..gmas.gather import gather_cuda
-from ..core.tensor import SparseTensor
-from ..core import conventions as cv
-from ..core.conventions import Array
 from ..map.kernel_map import KernelMap
+from .arguments import check_map_fits, check_weight, launch_rows_for, resolve_tiles
+from .dataflow import gather_gemm_scatter
+from .prepare import layer_plan
 
 __all__ = ["sparse_conv3d_backward", "sparse_conv3d_backward_reference"]
 
@@ -195,7 +198,7 @@ def product_slots(plan, K, xp):
     return slots
 
 
-_SLOTS = {}
+_SLOTS = remember({})  # grouping -> the device's slots array
 
 
 @cuda.jit
@@ -295,6 +298,6 @@ def sparse_conv3d_backward(x: SparseTensor, weight: Array, grad_out: Array, kern
     # rows: exactly the G_k the weight gradient multiplies, so it keeps that buffer
     # (padding rows zeroed) instead of the weight gradient gathering G again.
     kept = []
-    dx = gmas(g, wt, back, tiles, bk, keep_buffer=kept)
+    dx = gather_gemm_scatter(g, wt, back, tiles, bk, keep_buffer=kept)
     dw = weight_grad_cuda(f, g, plan, w.shape[0], input_buffer, kept[0] if kept else None)
     return like(dx, x.features), like(dw, weight)

@@ -9,7 +9,7 @@ import pytest
 
 import numba_sc as ns
 from numba_sc.core.backend import to_host
-from numba_sc.train.conv_gradient import sparse_conv3d_backward, sparse_conv3d_backward_reference
+from numba_sc.conv.gradient import sparse_conv3d_backward, sparse_conv3d_backward_reference
 
 
 def _layer(coords, kind, c_in=3, c_out=5, seed=0):

@@ -1,14 +1,14 @@
-"""The three dataflows through sparse_conv3d, and the per-layer choice (``"auto"``).
+"""The per-layer choice of dataflow (``"auto"``): the rule of thumb, and what it runs.
 
 Kernels run under the simulator on small clouds and are compared with the gmas
-reference (itself checked against a float64 oracle in gmas/test_conv.py).
+reference (itself checked against a float64 oracle in conv/test_layer.py).
 """
 import numpy as np
 import pytest
 
 import numba_sc as ns
-from numba_sc.dataflows import choice as ch
-from numba_sc.gmas import conv
+from numba_sc.conv import choice as ch
+from numba_sc.conv import layer
 
 from helpers import random_coords
 
@@ -17,9 +17,9 @@ FLOWS = ("gmas", "fetch", "implicit")
 
 @pytest.fixture(autouse=True)
 def _fresh_choices():
-    ch.clear_choices()
+    ns.clear_caches()
     yield
-    ch.clear_choices()
+    ns.clear_caches()
 
 
 def _tensor(rng, n, c, dtype=np.float32, span=5):
@@ -47,49 +47,18 @@ def _layers(x, ws, backend, flow):
     return sub, down, up, one
 
 
-@pytest.mark.parametrize("flow", FLOWS)
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_every_layer_kind_through_every_dataflow(rng, flow, dtype):
-    x = _tensor(rng, 180, 5, dtype)
-    ws = (_weight(rng, 27, 5, 6, dtype), _weight(rng, 8, 5, 6, dtype), _weight(rng, 8, 6, 3, dtype),
-          _weight(rng, 1, 5, 4, dtype))
-    want = _layers(x, ws, "reference", "gmas")
-    for backend in ("reference", "cuda"):
-        got = _layers(x, ws, backend, flow)
-        for g, r in zip(got, want):
-            assert np.array_equal(g.coords, r.coords)
-            _close(g.features, r.features, dtype)
-
-
-def test_comparison_catches_an_off_by_one(rng):
-    """The tolerance above is sharp enough: one weight offset shifted by one changes the answer."""
-    x = _tensor(rng, 150, 4)
-    w = _weight(rng, 27, 4, 5, np.float32)
-    want = ns.sparse_conv3d(x, w, backend="reference", dataflow="gmas").features
-    for flow in ("fetch", "implicit"):
-        got = ns.sparse_conv3d(x, np.roll(w, 1, axis=0), backend="cuda", dataflow=flow).features
-        with pytest.raises(AssertionError):
-            _close(got, want, np.float32)
-
-
-def test_layers_sharing_a_map_share_each_dataflows_plan(rng):
-    x = _tensor(rng, 150, 4)
-    w = _weight(rng, 27, 4, 4, np.float32)
-    y = ns.sparse_conv3d(x, w, backend="cuda", dataflow="fetch")
-    km = y.kernel_map
-    for flow in ("fetch", "implicit"):
-        ns.sparse_conv3d(y, w, kernel_map=km, backend="cuda", dataflow=flow)
-        plan = next(v for k, v in km.kept_plans.items() if k[0] == flow)
-        ns.sparse_conv3d(y, w, kernel_map=km, backend="cuda", dataflow=flow)
-        assert next(v for k, v in km.kept_plans.items() if k[0] == flow) is plan  # built once
+def _spy(monkeypatch):
+    """The dataflows other than gmas that run, in order (gmas runs when none does)."""
+    ran = []
+    real = layer.fetch_or_implicit
+    monkeypatch.setattr(layer, "fetch_or_implicit", lambda flow, *a: ran.append(flow) or real(flow, *a))
+    return ran
 
 
 def test_auto_without_measurements_follows_the_rule(rng, monkeypatch):
     x = _tensor(rng, 120, 4)
     w = _weight(rng, 27, 4, 4, np.float32)
-    ran = []
-    real = conv._other_dataflow
-    monkeypatch.setattr(conv, "_other_dataflow", lambda flow, *a: ran.append(flow) or real(flow, *a))
+    ran = _spy(monkeypatch)
     assert ch.rule_dataflow(4, 4, np.float32, len(x)) == "gmas"
     ns.sparse_conv3d(x, w, backend="cuda")  # dataflow="auto" is the default
     assert ran == []  # gmas: no other dataflow ran
@@ -101,9 +70,7 @@ def test_auto_without_measurements_follows_the_rule(rng, monkeypatch):
 def test_rule_runs_implicit_on_a_given_map_with_few_channels(rng, monkeypatch):
     x = _tensor(rng, 120, 4)
     w = _weight(rng, 27, 4, 16, np.float32)
-    ran = []
-    real = conv._other_dataflow
-    monkeypatch.setattr(conv, "_other_dataflow", lambda flow, *a: ran.append(flow) or real(flow, *a))
+    ran = _spy(monkeypatch)
     y = ns.sparse_conv3d(x, w, backend="cuda")  # builds its map: gmas
     assert ran == []
     got = ns.sparse_conv3d(x, w, kernel_map=y.kernel_map, backend="cuda")  # given the map: implicit
@@ -119,7 +86,7 @@ def test_rule_by_cloud_density_and_size():
     """The measured table's boundaries: a large sparse cloud runs gmas even when given its
     map; a large dense one runs implicit up to 16 channels, and up to 64 in fp32, or in
     fp16 where the implicit GEMM has its tensor-core rung (v4: a GPU, not the simulator)."""
-    from numba_sc.dataflows.implicit_gemm import library_rung
+    from numba_sc.dataflows.implicit_driver import library_rung
 
     big, dense, sparse = 600_000, 16.0, 0.4
     assert ch.rule_dataflow(4, 16, np.float32, big, True, sparse) == "gmas"
@@ -133,36 +100,12 @@ def test_rule_by_cloud_density_and_size():
     assert ch.rule_dataflow(4, 16, np.float32, 50_000, False, dense) == "gmas"  # small: the plan's sort costs
 
 
-def test_measured_choice_is_cached_and_used(rng, monkeypatch):
-    x = _tensor(rng, 120, 4)
-    w = _weight(rng, 27, 4, 4, np.float32)
-    monkeypatch.setattr(ch, "measure", lambda cands, timer, rounds: {"gmas": 3.0, "fetch": 1.0, "implicit": 2.0})
-    choice = ns.choose_dataflow(x, w, backend="cuda", timer=lambda fn: 0.0)
-    assert (choice.value, choice.source) == ("fetch", "measured")
-    ran = []
-    real = conv._other_dataflow
-    monkeypatch.setattr(conv, "_other_dataflow", lambda flow, *a: ran.append(flow) or real(flow, *a))
-    ns.sparse_conv3d(x, w, backend="cuda")
-    assert ran == ["fetch"]
-    ns.sparse_conv3d(x, w.astype(np.float64).astype(np.float32)[:, :, :3], backend="cuda")  # another shape
-    assert ran == ["fetch"]  # ... follows the rule
-
-
-def test_named_layer_choice(rng, monkeypatch):
-    x = _tensor(rng, 100, 4)
-    w = _weight(rng, 27, 4, 4, np.float32)
-    monkeypatch.setattr(ch, "measure", lambda cands, timer, rounds: {"gmas": 3.0, "fetch": 2.0, "implicit": 1.0})
-    ns.choose_dataflow(x, w, backend="cuda", timer=lambda fn: 0.0, layer="enc1")
-    assert ch.cached_dataflow(("layer", "enc1")).value == "implicit"
-    assert ch.cached_dataflow(ch.dataflow_key(None, 4, 4, 27, np.float32, False, len(x))) is None
-
-
 def test_training_runs_gmas(rng):
     x = _tensor(rng, 100, 4)
     w = _weight(rng, 27, 4, 4, np.float32)
     with pytest.raises(ValueError, match="no backward pass"):
-        conv.convolve(x, w, backend="cuda", keep_buffer=[], dataflow="fetch")
-    assert conv._pick_dataflow("auto", None, x.features, w, None, False, True, False, -1) == "gmas"
+        layer.convolve(x, w, backend="cuda", keep_buffer=[], dataflow="fetch")
+    assert ch.pick_dataflow("auto", None, x.features, w, None, False, True, False, -1) == "gmas"
 
 
 def test_bad_dataflow(rng):

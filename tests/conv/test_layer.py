@@ -1,4 +1,4 @@
-"""The GMaS step and the full sparse convolution.
+"""The full sparse convolution (numba_sc.conv.layer), through the GMaS dataflow.
 
 Every layer is checked three ways: the kernels (backend="cuda", under the CUDA
 simulator here), the NumPy reference, and a float64 oracle written in helpers.py
@@ -12,8 +12,9 @@ to 1e-5 of the result's norm (fp32 rounding of sums of ~27 products); float16
 the norm: half precision keeps 11 significant bits (unit roundoff 4.9e-4), and a
 partial result is rounded in the output buffer and again at the end.
 
-The stages have their own files beside this one: test_metadata.py,
-test_gather.py, test_gemm_grouping.py, test_scatter.py, test_autotune.py.
+The stages have their own files in tests/gmas: test_metadata.py, test_gather.py,
+test_gemm_grouping.py, test_scatter.py, test_autotune.py; the layer's other modules
+theirs beside this one (test_arguments.py, test_prepare.py, test_dataflow.py, ...).
 """
 import numpy as np
 import pytest
@@ -24,8 +25,9 @@ import numba_sc
 import numba_sc as ns
 from numba_sc import SparseTensor, kernel_offsets, sparse_conv3d
 from numba_sc.core.backend import to_host
-from numba_sc.gmas import conv
-from numba_sc.gmas.conv import gmas
+from numba_sc.conv import prepare
+from numba_sc.conv.layer import LayerSettings, convolve
+from numba_sc.conv.dataflow import gather_gemm_scatter
 from numba_sc.gmas.gather import divisors
 from numba_sc.map.map_step import build_kernel_map
 from numba_sc.gmas.plan import build_plan
@@ -92,8 +94,8 @@ def test_transposed_layer_reads_the_strided_plan_backwards(rng, monkeypatch):
                              backend="cuda")
         kept = y.kernel_map.kept_plan[1]
         w2 = rng.standard_normal((k ** 3, 4, 2)).astype(np.float32)
-        monkeypatch.setattr(conv, "build_plan", lambda *a, **kw: pytest.fail("a plan was built"))
-        monkeypatch.setattr(conv, "build_kernel_map", lambda *a, **kw: pytest.fail("a map was built"))
+        monkeypatch.setattr(prepare, "build_plan", lambda *a, **kw: pytest.fail("a plan was built"))
+        monkeypatch.setattr(prepare, "build_kernel_map", lambda *a, **kw: pytest.fail("a map was built"))
         up = ns.sparse_conv3d(y, w2, transposed=True, kernel_map=y.kernel_map, backend="cuda")
         monkeypatch.undo()
         assert y.kernel_map.kept_plan[1] is kept
@@ -239,7 +241,7 @@ def test_plan_variants_agree(rng):
     for kw in [dict(sort=False), dict(max_padding=0.0), dict(max_padding=5.0),
                dict(direct_centre=False), dict(solo_rows=1)]:
         plan = build_plan(km, backend="cuda", **kw)
-        assert_close(to_host(gmas(x.features, w, plan, (1, 1), backend="cuda")), want)
+        assert_close(to_host(gather_gemm_scatter(x.features, w, plan, (1, 1), backend="cuda")), want)
 
 
 def test_kernel_map_reuse_skips_map_step(rng, monkeypatch):
@@ -250,7 +252,7 @@ def test_kernel_map_reuse_skips_map_step(rng, monkeypatch):
     def no_map(*a, **k):
         raise AssertionError("the Map step ran again")
 
-    monkeypatch.setattr(numba_sc.gmas.conv, "build_kernel_map", no_map)
+    monkeypatch.setattr(prepare, "build_kernel_map", no_map)
     z = sparse_conv3d(y, w2, kernel_map=y.kernel_map, backend="cuda")
     want = oracle(y.coords, y.features, y.coords, w2, kernel_offsets(3))
     assert_close(z.features, want)
@@ -327,3 +329,19 @@ def test_map_of_another_cloud_is_refused():
                                          np.ones((2, 1), np.float32), stride=2),
                          np.ones((8, 1, 1), np.float32), transposed=True, kernel_map=y.kernel_map,
                          backend="reference")
+
+
+def test_convolve_takes_the_settings_of_sparse_conv3d(rng):
+    """convolve(x, w, LayerSettings(...)) and convolve(x, w, **keywords) are sparse_conv3d;
+    a keyword it does not know is refused (not ignored)."""
+    x = tensor(rng, 150, 4)
+    w = weights(rng, 8, 4, 5)
+    want = sparse_conv3d(x, w, 2, 2, backend="reference", sort_offsets=False)
+    for got in (convolve(x, w, LayerSettings(2, 2, backend="reference", sort_offsets=False)),
+                convolve(x, w, kernel_size=2, stride=2, backend="reference", sort_offsets=False)):
+        np.testing.assert_array_equal(got.coords, want.coords)
+        np.testing.assert_array_equal(got.features, want.features)
+    other = convolve(x, w, kernel_size=2, stride=1, backend="reference")
+    assert len(other) != len(want)  # the settings are read, not defaulted
+    with pytest.raises(TypeError, match="kernel_sise"):
+        convolve(x, w, kernel_sise=2)

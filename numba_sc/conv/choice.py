@@ -1,4 +1,4 @@
-"""Which dataflow, and which Map method, for a layer: measured when asked, else a rule of thumb.
+"""Which dataflow for a layer: measured when asked, else a rule of thumb.
 
 TorchSparse++ and PCEngine both found that no one dataflow wins every layer:
 gather-GEMM-scatter (``"gmas"``, Minuet's) pays for moving every pair's
@@ -6,7 +6,7 @@ features through global-memory buffers and wins when the GEMMs are large;
 fetch-on-demand (``"fetch"``) and implicit GEMM (``"implicit"``) move no
 buffers but compute on CUDA cores here (Numba has no tensor-core intrinsics;
 the one exception is the implicit GEMM in fp16 on a GPU, whose rung v4 calls a
-tensor-core ``mma`` in linked CUDA C++, :func:`numba_sc.dataflows.implicit_gemm.library_rung`),
+tensor-core ``mma`` in linked CUDA C++, :func:`numba_sc.dataflows.implicit_driver.library_rung`),
 so they can only win where the buffers, not the multiplications, cost the most:
 few channels, small clouds, where a layer is a handful of short launches. So
 ``sparse_conv3d(..., dataflow="auto")`` asks this module per layer, the way the
@@ -17,9 +17,6 @@ tile sizes are asked of :mod:`numba_sc.autotune`:
    the cloud's size class, a power of two), cached for the process;
 2. otherwise the rule of thumb :func:`rule_dataflow`, written from the H100
    measurements in ``benchmarks/results/`` (see its docstring).
-
-The same holds for the Map step's ``method="auto"``: :func:`numba_sc.choose_map_method`
-measures the three methods on a cloud, else :func:`rule_map_method` decides.
 
 Layers that share a map share its decision only through their shapes: the
 plans each dataflow builds from a map are kept on the map
@@ -36,22 +33,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.measure import Choice, measure, size_class, wall_timer  # noqa: F401 (this module's names)
+from ..core.measure import Choice, size_class
 from ..core.state import STATE
-from .implicit_gemm import library_rung
+from ..dataflows.implicit_driver import library_rung
+from .arguments import where
 
 DATAFLOWS = ("gmas", "fetch", "implicit")
-MAP_METHODS = ("sorted", "hash", "grid")
-
 
 _DATAFLOW: dict = STATE.choices["dataflow"]  # the one record of measured choices (core.state)
-_METHOD: dict = STATE.choices["map_method"]
-
-
-def clear_choices():
-    """Forget every measured dataflow and Map method."""
-    _DATAFLOW.clear()
-    _METHOD.clear()
 
 
 def dataflow_key(layer, c_in, c_out, kernel_volume, dtype, transposed, n_out):
@@ -102,7 +91,7 @@ def rule_dataflow(c_in, c_out, dtype, n_out, map_given=False, pairs_per_output=0
       Fetch-on-demand won no row: its atomics cost more than the buffers they save.
 
     The measured ratios behind each branch: ``docs/performance.md``,
-    "dataflows/choice.py"; the fp16 rows with v4 in ``alternatives_fp16_v4.json``.
+    "conv/choice.py"; the fp16 rows with v4 in ``alternatives_fp16_v4.json``.
     """
     small = c_in <= SMALL_CHANNELS and c_out <= SMALL_CHANNELS
     dense_and_large = pairs_per_output >= DENSE_PAIRS and (n_out or 0) >= LARGE_CLOUD
@@ -135,29 +124,30 @@ def remember_dataflow(key, choice: Choice):
     _DATAFLOW[key] = choice
 
 
-def method_key(n_points, kernel_volume):
-    return (size_class(n_points), int(kernel_volume))
-
-
-def rule_map_method(n_points, kernel_volume) -> str:
-    """The Map method to run when none was measured: Minuet's sorted search, which
-    was at least as fast as the hash table on every cloud measured, and faster
-    than the grid (whose box must be cleared and read back; figures in
-    ``docs/performance.md``, "dataflows/choice.py")."""
-    return "sorted"
-
-
-def map_method_for(n_points, kernel_volume) -> str:
-    """The measured method for clouds of this size class, else the rule. ``kernel_volume``
-    may be a callable that returns it: it is asked only when something was measured
-    (every Map step asks this, and on a scan a Map step is short enough that each
-    microsecond of host time shows)."""
-    if not _METHOD:
-        return rule_map_method(n_points, None)
-    K = kernel_volume() if callable(kernel_volume) else kernel_volume
-    hit = _METHOD.get(method_key(n_points, K))
-    return hit.value if hit is not None else rule_map_method(n_points, K)
-
-
-def remember_map_method(n_points, kernel_volume, choice: Choice):
-    _METHOD[method_key(n_points, kernel_volume)] = choice
+def pick_dataflow(dataflow, layer, f, w, km, transposed, training, map_given, centre, backend=None):
+    """The ``dataflow`` argument -> "gmas" | "fetch" | "implicit" (see the module docstring).
+    ``centre``: the map's submanifold centre (-1 for a strided map, read backwards or not).
+    ``backend``: the layer's; None asks for the rule's answer whatever runs it."""
+    check_dataflow(dataflow)
+    if training:  # the backward pass reads the gmas buffers
+        if dataflow not in ("gmas", "auto"):
+            raise ValueError(f"{where(layer)}dataflow={dataflow!r} has no backward pass here: training "
+                             "runs dataflow='gmas' (or 'auto', which picks it when training)")
+        return "gmas"
+    if dataflow != "auto":
+        return dataflow
+    if backend == "reference":
+        # The reference answers the same whatever ran before: no rule that turns on
+        # whether the map was given (a network's second call on a tensor reuses the maps
+        # of its first) may pick another summation order there. Timing means nothing in
+        # NumPy, so "auto" is the paper's dataflow; a named one runs as named (above).
+        return "gmas"
+    c_in, c_out = w.shape[1], w.shape[2]
+    if not measured_dataflows() and (c_in > MID_CHANNELS or c_out > MID_CHANNELS):
+        return "gmas"  # the rule's answer for wide layers, without counting anything (every layer asks)
+    n_out = km.in_coords.shape[0] if transposed else km.out_coords.shape[0]
+    counts = km.host_counts().tolist()
+    pairs = sum(counts) - (counts[centre] if centre >= 0 else 0)
+    per_output = pairs / max(n_out, 1)
+    key = dataflow_key(layer, c_in, c_out, w.shape[0], f.dtype, transposed, n_out)
+    return dataflow_for(key, c_in, c_out, f.dtype, n_out, map_given, per_output)
