@@ -106,7 +106,7 @@ def spconv_calls(coords, ch, dtype=np.float32, cout=None):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default=None, help="folder with the scans (default: see common.find_data)")
-    ap.add_argument("--base", default=".ab", help="folder holding base_sc/, a copy of the baseline package")
+    ap.add_argument("--base", default=".ab", help="folder holding base_sc/ (a copy of the baseline package) and any other *_sc/ copies")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--block", type=int, default=4, help="calls per contender and round, after one not kept")
     ap.add_argument("--warmup", type=int, default=10)
@@ -125,9 +125,10 @@ def main():
     tiles = tuple(int(t) for t in args.tiles.split(","))
     import numba_sc as new
     packages = {"new": new}
-    if (Path(args.base) / "base_sc").is_dir():
+    if Path(args.base).is_dir():  # every copy there: base_sc/ as "base", x_sc/ as "x"
         sys.path.insert(0, str(Path(args.base).resolve()))
-        packages["base"] = importlib.import_module("base_sc")
+        for folder in sorted(Path(args.base).glob("*_sc")):
+            packages[folder.name[:-3]] = importlib.import_module(folder.name)
     makers = {name: (lambda n=name: scan_coords(find_data(args.data), n)) for name in ("kitti", "scannet", "sunrgbd")}
     makers["random1M"] = random_coords
     out = {"recorded": recorded(args.note), "clouds": {}}

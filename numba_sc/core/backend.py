@@ -50,21 +50,22 @@ def to_device(a):
     with plain strides, so a column slice such as ``scan[:, :3]`` is copied once
     here rather than refused later.
     """
-    if a is None or type(a) is Piece:
-        return a  # (a piece is device memory, contiguous, already)
-    contiguous = _CONTIGUITY.get(type(a))
-    if contiguous is not None and contiguous(a):
+    t = type(a)
+    if t is _CONTIGUITY[0] and _CONTIGUITY[1](a):
         return a  # a CuPy array already: the common case, no library call (host time saved)
+    if a is None or t is Piece:
+        return a  # (a piece is device memory, contiguous, already)
     xp = device_xp()
     a = xp.asarray(a)
-    if xp is not np and not _CONTIGUITY:
-        _CONTIGUITY[xp.ndarray] = c_contiguous_reader(xp.ndarray)
+    if xp is not np and _CONTIGUITY[0] is None:
+        _CONTIGUITY[:] = [xp.ndarray, c_contiguous_reader(xp.ndarray)]
     # (not ascontiguousarray unconditionally: it turns a 0-d array into a 1-d one)
     return a if a.flags.c_contiguous else xp.ascontiguousarray(a)
 
 
-# CuPy's ndarray, once seen -> how to read its contiguity cheaply (core/fast_launch.py knows CuPy's flag)
-_CONTIGUITY = remember({})
+# [CuPy's ndarray, how to read its contiguity cheaply], once seen (core/fast_launch.py knows
+# CuPy's flag); a list, not a dict, so that the common case above is one identity test
+_CONTIGUITY = [None, None]
 
 
 def filled(shape, dtype, value):

@@ -63,7 +63,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int32, int64, uint64
 
-from ..core.device import device_xp, simulating
+from ..core.device import array_module, simulating
 from ..core.backend import filled, to_host
 from ..core.launch import launch
 from ..core.pieces import Piece, placeholder
@@ -511,8 +511,9 @@ def table_passes(table, n_in, chunk):
     """What v4 finds with the pairs, found from a (K, |Q|) table afterwards by the array
     library: ``(pairs per offset, pairs per offset and chunk of outputs, out_masks,
     in_masks)`` (the masks as :func:`forward_search_cuda` describes them, (words, |Q|)
-    and (words, ``n_in``)). The bits of a word are distinct, so a sum is their OR."""
-    xp = device_xp()
+    and (words, ``n_in``)), on the side that holds ``table``. The bits of a word are
+    distinct, so a sum is their OR."""
+    xp = array_module(table)
     K, Q = table.shape
     hit = table >= 0
     counts = hit.sum(axis=1)

@@ -10,6 +10,7 @@ import pytest
 
 import numba_sc
 from numba_sc.core.backend import to_host
+from numba_sc.core.pieces import as_array
 from numba_sc.gmas import plan as plan_module
 from numba_sc.gmas.gemm_grouping import padding_report
 from numba_sc.gmas.layout import submanifold_centre
@@ -76,7 +77,10 @@ def test_a_planted_wrong_row_is_caught(rng):
         step = 1 if r + 1 < good.rows and good.row_offset[r + 1] == good.row_offset[r] else -1
         assert good.row_offset[r + step] == good.row_offset[r]
         slots[0, p] = r + step
-        bad = dataclasses.replace(good, _tables={}, **{side: dataclasses.replace(lists, slots=slots)})
+        # the planted lists all on the host (on a GPU the plan's are device arrays or pieces)
+        planted = dataclasses.replace(lists, slots=slots, masks=to_host(as_array(lists.masks)),
+                                      buffered=to_host(as_array(lists.buffered)))
+        bad = dataclasses.replace(good, _tables={}, **{side: planted})
         assert plan_differences(bad, want) == [side.replace("lists", "table")]
 
 
