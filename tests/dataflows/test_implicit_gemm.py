@@ -31,7 +31,6 @@ from numba_sc.dataflows import tensor_cores as tc
 from numba_sc.core.backend import to_device, to_host
 from numba_sc.core.conventions import MASK_BITS
 from numba_sc.core.device import gpu_present, simulating
-from numba_sc.core.launch import launch
 from numba_sc.core.rungs import Ladder
 from numba_sc.tools import ladder
 
@@ -346,29 +345,6 @@ def test_ladder_lists_v4_as_gpu_only_and_the_simulator_runs_v3(rng, capsys, monk
     assert "implicit_gemm    float16  v4    not run here: GPU only" in capsys.readouterr().out
 
 
-def test_the_mma_result_layout():
-    """The C fragment of m16n8k16: lane 5 holds D[1, 2:4] and D[9, 2:4] (the module's
-    example); the 32 lanes' four results cover the 16x8 tile once; the device
-    functions the epilogue uses (c_row, c_col) agree with the table."""
-    table = tc.c_layout_reference()
-    assert table[5].tolist() == [[1, 2], [1, 3], [9, 2], [9, 3]]
-    cover = np.zeros((16, 8), int)
-    np.add.at(cover, (table[..., 0].ravel(), table[..., 1].ravel()), 1)
-    assert (cover == 1).all()
-
-    @cuda.jit
-    def where(out):
-        lane = cuda.threadIdx.x
-        for r in range(4):
-            out[lane, r, 0] = tc.c_row(lane, r)
-            out[lane, r, 1] = tc.c_col(lane, r)
-
-    got = np.zeros((32, 4, 2), np.int32)
-    got_d = to_device(got)
-    launch(where, 32, got_d, threads=32)
-    np.testing.assert_array_equal(to_host(got_d), table)
-
-
 @pytest.mark.parametrize("tile_m", ish.TILE_M_CHOICES)
 @pytest.mark.parametrize("c_in,c_out", [(3, 5), (16, 16), (24, 40), (40, 96), (96, 24), (64, 64), (256, 256)])
 def test_v4_tile_shapes(tile_m, c_in, c_out):
@@ -382,16 +358,6 @@ def test_v4_tile_shapes(tile_m, c_in, c_out):
     assert tiles.tile_n >= min(c_out, 64) and tiles.tile_k in (16, 32)
     assert c_in % tiles.a_vec == 0 and c_out % tiles.b_vec == 0
     assert (tile_m * tiles.tile_k // tiles.a_vec) % (32 * warps_m * warps_n) == 0
-
-
-@GPU_ONLY
-def test_mma_probe_equals_numpy(rng):
-    """One warp, two mma of the linked C++: a 16x16 @ 16x16 fp16 product to fp32
-    rounding (the products of fp16 values are exact in fp32)."""
-    a = rng.standard_normal((16, 16)).astype(np.float16)
-    b = rng.standard_normal((16, 16)).astype(np.float16)
-    want = a.astype(np.float64) @ b.astype(np.float64)
-    assert np.abs(tc.mma_probe(a, b) - want).max() <= 1e-6 * np.abs(want).max()
 
 
 V4_CASES = [  # (n, extent, kernel, c_in, c_out, splits, centre skipped with init, tile_m)
