@@ -487,9 +487,10 @@ def metadata_cuda(kernel_map, sort=True, max_padding=gg.DEFAULT_MAX_PADDING,
     K, n_out = table.shape
     n_in = len(kernel_map.in_coords)
     chunk = chunk_size(threads)
-    counts2d = kernel_map.chunk_counts  # counted by the forward search
-    out_masks, in_masks = kernel_map.out_masks, kernel_map.in_masks  # ... and so were these
-    if counts2d is None or kernel_map.chunk != chunk:
+    found = kernel_map.found  # what the forward search found with the pairs, as the kernels take it
+    counts2d = None if found is None or found.chunk != chunk else found.chunk_counts
+    out_masks, in_masks = (None, None) if found is None else (found.out_masks, found.in_masks)
+    if counts2d is None:
         counts2d = chunk_counts_cuda(table, threads)  # a map from elsewhere: count them here
     if out_masks is None or in_masks is None:
         out_masks, in_masks = masks_cuda(table, n_in)

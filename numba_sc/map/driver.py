@@ -44,7 +44,7 @@ from .backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backwar
 from . import grid_map
 from . import hash_map
 from .forward_search import forward_search_cuda
-from .kernel_map import (KernelMap, Layer, assemble_map, check_columns, check_method, duplicate_error,
+from .kernel_map import (FoundWithPairs, KernelMap, Layer, assemble_map, check_columns, check_method, duplicate_error,
                          layer_arguments, reaches, searched_segments, sorted_offsets, unsorted_error)
 from .map_probe import probe_cuda
 from ..coords.output_coords import output_coordinates, output_coordinates_reference, start_output_keys
@@ -478,9 +478,8 @@ def _counted_result(counted, work, rep):
     m = assemble_map(counted.in_sorted, out_sorted, None, offsets, counted.table[:K * Q].reshape(K, Q),
                      work.counts_array(), {}, layer, None)
     chunk_counts, out_masks = work.counted_views(Q)
-    # The map's fields are arrays; the pieces stay the driver's (as_array: no device work).
-    m.chunk, m.chunk_counts, m.out_masks = work.chunk, as_array(chunk_counts), as_array(out_masks)
-    m.in_masks = as_array(work.in_masks)
+    # Handed on as the kernels take them (pieces on a GPU); the map's properties read them as arrays.
+    m.found = FoundWithPairs(work.chunk, chunk_counts, out_masks, work.in_masks)
     return m, out_sorted
 
 
@@ -494,10 +493,10 @@ def _find_pairs(method, skeys, qkeys, in_sorted, d_deltas, K, B, C, work):
 
 def _finish_cuda(in_sorted, out_sorted, in_order, offsets, table, work, layer, out_order):
     """The kernel path's map, with the device arrays of ``work`` it hands on (stats
-    and host counts come after the report is read). The chunk counts and masks are
-    pieces of ``work`` on a GPU: the map gets them as CuPy arrays (:func:`as_array`,
-    a few host microseconds, no device work)."""
+    and host counts come after the report is read). The chunk counts and masks go
+    to the metadata stage as pieces of ``work`` on a GPU (:class:`FoundWithPairs`: a
+    CuPy array of each would cost host time at every layer and launch that reads it);
+    the map's properties hand them to a user as CuPy arrays."""
     m = assemble_map(in_sorted, out_sorted, in_order, offsets, table, work.counts_array(), {}, layer, out_order)
-    m.chunk_counts, m.chunk = as_array(work.chunk_counts), work.chunk
-    m.out_masks, m.in_masks = as_array(work.out_masks), as_array(work.in_masks)
+    m.found = FoundWithPairs(work.chunk, work.chunk_counts, work.out_masks, work.in_masks)
     return m

@@ -71,6 +71,7 @@ import numpy as np
 from ..core import conventions as cv
 from ..core.device import array_module
 from ..core.backend import to_host
+from ..core.pieces import as_array
 from ..core.state import cached
 from .backward_search import (DEFAULT_QUERY_BLOCK, DEFAULT_SOURCE_BLOCK, backward_search_reference, check_block_sizes,
                               max_balanced_blocks, num_source_blocks, split_query_blocks_reference)
@@ -100,6 +101,21 @@ def _lazy_identity(stored, coords, doc):
 
 
 @dataclass
+class FoundWithPairs:
+    """What the library's forward search finds with the pairs, handed to the metadata
+    stage as the kernels take them: on a GPU, pieces of the Map step's one allocation
+    (:class:`numba_sc.core.pieces.Piece`), because a CuPy array made of each would cost
+    host time on every layer and every launch that reads it. A user reads them as
+    arrays through :class:`KernelMap`'s ``chunk_counts``, ``chunk``, ``out_masks``
+    and ``in_masks``."""
+
+    chunk: int  # outputs per chunk of chunk_counts
+    chunk_counts: object  # int32 (K, ceil(|Q| / chunk)): pairs per offset and chunk of outputs
+    out_masks: object = None  # int64 (ceil(K / 32), |Q|), or None (masks not asked for)
+    in_masks: object = None  # int64 (ceil(K / 32), |P|), or None
+
+
+@dataclass
 class KernelMap:
     """The kernel map of one layer and the layer facts the GMaS step needs.
 
@@ -126,22 +142,12 @@ class KernelMap:
     is_transposed: bool = False  # True for the map made by transposed()
     counts_host: np.ndarray = field(default=None, repr=False)  # host copy of counts, once read
 
-    # Filled by the library's forward search (numba_sc.map.driver) for the metadata
-    # stage of the layer (numba_sc.gmas.metadata.build_plan_cuda), which otherwise
-    # counts them from the table; None when not known (reference maps, transposed
-    # maps, maps from elsewhere):
-    #
-    # int32 (K, ceil(|Q| / chunk)): pairs per offset and chunk of outputs. Like the
-    # masks, on the device (a CuPy array on a GPU whatever the caller passed).
-    chunk_counts: object = field(default=None, repr=False)
-    # Outputs per chunk of chunk_counts: numba_sc.gmas.metadata.chunk_size() of the
-    # machine; the metadata stage uses chunk_counts only when its own chunk is this.
-    chunk: int = field(default=None, repr=False)
-    # int64 (ceil(K / 32), |Q|) and (ceil(K / 32), |P|): bit k % 32 of
-    # out_masks[k // 32, i] is set when output i has a pair through offset k, of
-    # in_masks[k // 32, j] when input j has one (build_kernel_map(masks=True)).
-    out_masks: object = field(default=None, repr=False)
-    in_masks: object = field(default=None, repr=False)
+    # Found by the library's forward search with the pairs (numba_sc.map.driver), for
+    # the metadata stage of the layer (numba_sc.gmas.metadata.metadata_cuda), which
+    # otherwise counts them from the table; None when not known (reference maps,
+    # transposed maps, maps from elsewhere). Read them as arrays through the
+    # properties chunk_counts, chunk, out_masks and in_masks below.
+    found: "FoundWithPairs" = field(default=None, repr=False, compare=False)
 
     # Remembered by the later stages, not part of the map's value (not compared):
     #
@@ -165,6 +171,29 @@ class KernelMap:
                               "int64 (|P|,): ``in_coords == caller_in_coords[in_order]``.")
     out_order = _lazy_identity("_out_order", "out_coords",
                                "int64 (|Q|,): ``out_coords == caller_out_coords[out_order]``.")
+
+    @property
+    def chunk_counts(self):
+        """int32 (K, ceil(|Q| / chunk)) on the device: pairs per offset and chunk of
+        outputs, counted by the forward search (None when not known: ``found``)."""
+        return None if self.found is None else as_array(self.found.chunk_counts)
+
+    @property
+    def chunk(self):
+        """Outputs per chunk of :attr:`chunk_counts`
+        (:func:`numba_sc.core.conventions.chunk_size` of the machine), or None."""
+        return None if self.found is None else self.found.chunk
+
+    @property
+    def out_masks(self):
+        """int64 (ceil(K / 32), |Q|) on the device: bit ``k % 32`` of ``[k // 32, i]`` set
+        when output i has a pair through offset k (``build_kernel_map(masks=True)``), or None."""
+        return None if self.found is None or self.found.out_masks is None else as_array(self.found.out_masks)
+
+    @property
+    def in_masks(self):
+        """int64 (ceil(K / 32), |P|): the same for the inputs, or None."""
+        return None if self.found is None or self.found.in_masks is None else as_array(self.found.in_masks)
 
     def host_counts(self) -> np.ndarray:
         """``counts`` on the host (int64), read from the device at most once.
