@@ -16,7 +16,7 @@ import numpy as np
 from ..core import conventions as cv
 from ..core.tensor import same_coordinates
 from ..gmas import gemm_grouping as gg
-from ..gmas.autotune import cached, heuristic_tile, layer_key
+from ..gmas.autotune import heuristic_tile, layer_key, tuned_tiles
 from ..gmas.gather import check_tile
 
 
@@ -78,7 +78,7 @@ def resolve_tiles(tile_size, c_in, c_out, n_in, n_out, dtype, K, transposed, lay
     (gather tile dividing C_in, scatter tile dividing C_out).
     """
     if tile_size is None:
-        choice = cached(layer_key(layer, c_in, c_out, K, dtype, transposed))
+        choice = tuned_tiles(layer_key(layer, c_in, c_out, K, dtype, transposed))
         if choice is not None and c_in % choice.gather == 0 and c_out % choice.scatter == 0:
             return choice.gather, choice.scatter
         item = np.dtype(dtype).itemsize

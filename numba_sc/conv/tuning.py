@@ -21,7 +21,7 @@ import numpy as np
 from ..core.backend import resolve_backend, to_device
 from ..core.device import simulating
 from ..core.measure import Choice, measure, wall_timer
-from ..gmas.autotune import TileChoice, gpu_time_once, heuristic_tile, layer_key, remember, search_tiles
+from ..gmas.autotune import TileChoice, gpu_time_once, heuristic_tile, keep_tiles, layer_key, search_tiles
 from ..gmas.layout import submanifold_centre
 from . import choice as ch
 from .arguments import check_layer_name
@@ -66,7 +66,7 @@ def autotune(x, weight, kernel_size=3, stride=1, dilation=1, transposed=False,
         g, s, timings = search_tiles([(f, p) for f, _, _, p in prepared], c_out, timer, rounds,
                                      warmup)
         choice = TileChoice(g, s, "autotuned", timings)
-    remember(key, choice)
+    keep_tiles(key, choice)
     return choice
 
 

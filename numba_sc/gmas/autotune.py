@@ -68,17 +68,17 @@ def layer_key(layer, c_in, c_out, kernel_volume, dtype, transposed):
 
 # The tuned layers live with the library's other measured choices:
 # ``STATE.choices["tile"]``, emptied by ``numba_sc.clear_caches()`` too.
-def cached(key):
+def tuned_tiles(key):
     """The tuned :class:`TileChoice` for ``key``, or None."""
     return state.STATE.choices["tile"].get(key)
 
 
-def remember(key, choice):
+def keep_tiles(key, choice):
     """Keep ``choice`` (a :class:`TileChoice`) under ``key`` (:func:`layer_key`)."""
     state.STATE.choices["tile"][key] = choice
 
 
-def clear_cache():
+def forget_tiles():
     """Forget every tuned layer."""
     state.STATE.choices["tile"].clear()
 

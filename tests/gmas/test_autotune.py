@@ -12,9 +12,9 @@ from helpers import assert_close, oracle, tensor, weights
 
 
 def test_autotune_search_with_injected_timer(rng):
-    from numba_sc.gmas.autotune import cached, clear_cache, layer_key
+    from numba_sc.gmas.autotune import forget_tiles, layer_key, tuned_tiles
 
-    clear_cache()
+    forget_tiles()
     x = tensor(rng, 40, 4, extent=5)
     w = weights(rng, 27, 4, 6)
     # One round times gather T = 1, 2, 4 then scatter T = 1, 2, 3, 6; the next
@@ -33,7 +33,7 @@ def test_autotune_search_with_injected_timer(rng):
     # the burst cost the best tiles one round of three: the median drops it
     assert (choice.gather, choice.scatter, choice.source) == (2, 3, "autotuned")
     assert choice.timings["gather"] == {1: 3.0, 2: 1.0, 4: 2.0} and len(calls) == 21
-    assert cached(layer_key("enc1", 4, 6, 27, np.float32, False)) is choice
+    assert tuned_tiles(layer_key("enc1", 4, 6, 27, np.float32, False)) is choice
     assert resolve_tiles(None, 4, 6, len(x), len(x), np.float32, 27, False, "enc1") == (2, 3)
     y = sparse_conv3d(x, w, backend="cuda", layer="enc1")  # runs with the tuned tiles
     assert_close(y.features, oracle(x.coords, x.features, x.coords, w, kernel_offsets(3)))
@@ -45,7 +45,7 @@ def test_autotune_search_with_injected_timer(rng):
     else:
         assert h.source == "autotuned" and sorted(h.timings["gather"]) == [1, 2, 4]
     assert 4 % h.gather == 0 and 6 % h.scatter == 0
-    clear_cache()
+    forget_tiles()
 
 
 def test_heuristic_tile():
@@ -62,13 +62,13 @@ def test_tuned_tiles_live_in_the_library_state():
     """A tuned layer is a measured choice of STATE.choices["tile"]: clear_caches forgets it."""
     import numba_sc
     from numba_sc.core.state import STATE
-    from numba_sc.gmas.autotune import TileChoice, cached, remember
+    from numba_sc.gmas.autotune import TileChoice, keep_tiles, tuned_tiles
 
     key = layer_key("dec3", 8, 8, 27, np.float32, False)
     choice = TileChoice(2, 4, "autotuned")
-    remember(key, choice)
-    assert cached(key) is choice and STATE.choices["tile"][key] is choice
+    keep_tiles(key, choice)
+    assert tuned_tiles(key) is choice and STATE.choices["tile"][key] is choice
     assert resolve_tiles(None, 8, 8, 100, 100, np.float32, 27, False, "dec3") == (2, 4)
     numba_sc.clear_caches()
-    assert cached(key) is None
+    assert tuned_tiles(key) is None
     assert resolve_tiles(None, 8, 8, 100, 100, np.float32, 27, False, "dec3") != (2, 4)  # the heuristic again
