@@ -1,27 +1,14 @@
 """numba_sc.map.backward_search: both rungs (v1, and v2 as the library launches it)
 against the NumPy references on a crop of SemanticKITTI and on random coordinates;
 a shifted delta is caught."""
-import sys
-
 import numpy as np
 import pytest
 
 from numba_sc.core import conventions as cv
 from numba_sc.core.backend import to_host
-from numba_sc.core.launch import SIMULATOR_SWITCH_INTERVAL
 from numba_sc.map import backward_search as bs
 
 from helpers import random_coords, scan_crop
-
-
-@pytest.fixture(autouse=True)
-def short_switches():
-    """The plain launches here at the simulator's switch interval that ``launch`` sets
-    (each CUDA thread is a Python thread: shorter switches, a faster block)."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(SIMULATOR_SWITCH_INTERVAL)
-    yield
-    sys.setswitchinterval(old)
 
 
 def layer(coords):

@@ -1,28 +1,15 @@
 """numba_sc.map.forward_search: every rung (v1-v3, and v4 as the library launches it)
 against the NumPy references, and the ladder's passes (:func:`table_passes`) against
 what v4 finds with the pairs; a changed table entry is caught."""
-import sys
-
 import numpy as np
 import pytest
 
 from numba_sc.core import conventions as cv
 from numba_sc.core.backend import filled, to_host
-from numba_sc.core.launch import SIMULATOR_SWITCH_INTERVAL
 from numba_sc.map import backward_search as bs
 from numba_sc.map import forward_search as fs
 
 from helpers import random_coords, scan_crop
-
-
-@pytest.fixture(autouse=True)
-def short_switches():
-    """The plain launches here at the simulator's switch interval that ``launch`` sets
-    (each CUDA thread is a Python thread: shorter switches, a faster block)."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(SIMULATOR_SWITCH_INTERVAL)
-    yield
-    sys.setswitchinterval(old)
 
 
 B, C = 64, 64

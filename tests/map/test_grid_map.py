@@ -1,27 +1,14 @@
 """numba_sc.map.grid_map: the box, the grid filled on the device and its lookups
 against the NumPy references; a box shifted by one voxel is caught."""
-import sys
-
 import numpy as np
 import pytest
 from numba import cuda
 
 from numba_sc.core import conventions as cv
 from numba_sc.core.backend import to_host
-from numba_sc.core.launch import SIMULATOR_SWITCH_INTERVAL
 from numba_sc.map import grid_map as gm
 
 from helpers import random_coords, scan_crop
-
-
-@pytest.fixture(autouse=True)
-def short_switches():
-    """The plain launches here at the simulator's switch interval that ``launch`` sets
-    (each CUDA thread is a Python thread: shorter switches, a faster block)."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(SIMULATOR_SWITCH_INTERVAL)
-    yield
-    sys.setswitchinterval(old)
 
 
 @cuda.jit

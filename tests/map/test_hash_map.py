@@ -1,27 +1,13 @@
 """numba_sc.map.hash_map: the hash, the table built on the device and its lookups
 against the NumPy references; a changed answer is caught."""
-import sys
-
 import numpy as np
-import pytest
 from numba import cuda
 
 from numba_sc.core import conventions as cv
 from numba_sc.core.backend import to_host
-from numba_sc.core.launch import SIMULATOR_SWITCH_INTERVAL
 from numba_sc.map import hash_map as hm
 
 from helpers import random_coords, scan_crop
-
-
-@pytest.fixture(autouse=True)
-def short_switches():
-    """The plain launches here at the simulator's switch interval that ``launch`` sets
-    (each CUDA thread is a Python thread: shorter switches, a faster block)."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(SIMULATOR_SWITCH_INTERVAL)
-    yield
-    sys.setswitchinterval(old)
 
 
 @cuda.jit

@@ -1,26 +1,12 @@
 """numba_sc.map.query_segments: the query key made on the fly on the device equals its
 NumPy twin and the materialized segments; a shifted delta is caught."""
-import sys
-
 import numpy as np
-import pytest
 from numba import cuda
 
 from numba_sc.core import conventions as cv
-from numba_sc.core.launch import SIMULATOR_SWITCH_INTERVAL
 from numba_sc.map import query_segments as qs
 
 from helpers import random_coords
-
-
-@pytest.fixture(autouse=True)
-def short_switches():
-    """The plain launches here at the simulator's switch interval that ``launch`` sets
-    (each CUDA thread is a Python thread: shorter switches, a faster block)."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(SIMULATOR_SWITCH_INTERVAL)
-    yield
-    sys.setswitchinterval(old)
 
 
 @cuda.jit
