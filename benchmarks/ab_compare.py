@@ -158,6 +158,22 @@ def main():
             h, g = t["host_ms"], t["gpu_ms"]
             res[" / ".join(key)] = t
             print(f"   {key[0]:12s} {key[1]:24s} host {h:7.3f}  gpu {g:7.3f}")
+        # Paired: sample i of two contenders was taken in the same round, so the median of
+        # their per-round ratios cancels the machine's slow minutes (on the lent H200 a
+        # whole run's samples fall into two clock regimes ~40 % apart, which can move a
+        # ratio of medians by several per cent; a copy of the same code measured beside
+        # itself showed that, ab_redesign.json "control").
+        for key in times:
+            if key[1] == "new":
+                continue
+            mine = times.get((key[0], "new"))
+            if mine is None:
+                continue
+            a, b = np.asarray(mine["host_ms_all"]), np.asarray(times[key]["host_ms_all"])
+            if len(a) == len(b):
+                paired = float(np.median(a / b))
+                res[" / ".join(key)]["paired_new_over_this"] = paired
+                print(f"   {key[0]:12s} new / {key[1]:18s} paired host ratio {paired:.3f}")
         out["clouds"][cname] = res
     out["recorded"] = recorded(args.note)  # again, now that the peers' versions are known
     Path(args.out).write_text(json.dumps(out, indent=1))

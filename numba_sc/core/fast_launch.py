@@ -137,11 +137,18 @@ def numba_stream(ptr):
 
 def launch_on_gpu(kernel, grid: int, threads: int, args) -> None:
     """:func:`numba_sc.core.launch.launch` on a GPU: the fast path when the kernel's
-    signature is learned, else the plain launch on CuPy's current stream (which
-    compiles the kernel and teaches the fast path its signature)."""
+    signature is learned, else :func:`first_launch` (which compiles the kernel and
+    teaches the fast path its signature). ``launch`` writes these two lines out
+    itself, to save a Python call at every launch."""
     ptr = current_stream_ptr()
-    if FAST.launch(kernel, grid, threads, ptr, args):
-        return
+    if not FAST.launch(kernel, grid, threads, ptr, args):
+        first_launch(kernel, grid, threads, ptr, args)
+
+
+def first_launch(kernel, grid: int, threads: int, ptr: int, args) -> None:
+    """The plain launch of ``kernel`` on the stream ``ptr``, through Numba's dispatcher
+    (compiling it for these argument types if need be); then the fast path learns
+    the kernel's signature, so that later launches skip the dispatcher."""
     # By default Numba *synchronizes the host* with the stream a CuPy argument
     # advertises (``__cuda_array_interface__["stream"]``) before every launch, so
     # the host would wait for the GPU at each kernel. Our kernels run on the very

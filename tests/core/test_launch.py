@@ -66,7 +66,8 @@ def test_simulator_pace_sets_and_restores_the_switch_interval():
 @pytest.mark.skipif(not device.simulating(), reason="the simulator's launch path")
 def test_the_library_launch_is_the_plain_launch_under_the_simulator(monkeypatch):
     """Under the simulator nothing is handed to the fast path."""
-    monkeypatch.setattr(launching.fast_launch, "launch_on_gpu", lambda *a: pytest.fail("fast path called"))
+    for name in ("launch_on_gpu", "first_launch", "current_stream_ptr"):
+        monkeypatch.setattr(launching.fast_launch, name, lambda *a, name=name: pytest.fail(f"fast path: {name} called"))
     out = np.zeros(3, np.int64)
     launch(_twice, 3, np.ones(3, np.int64), out)
     assert (out == 2).all()
