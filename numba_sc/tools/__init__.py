@@ -10,6 +10,7 @@
 For the lessons (the notebooks and the book):
 
     lesson      a rung's code, the diff to the next rung, what it bought (recorded)
+    mma_model   a warp's mma.m16n8k16 and ldmatrix in NumPy: the tensor-core rung, checkable without a GPU
     exercises   the notebooks' exercises: a checker each, against the stage's reference
     results     one source for every number: the recorded results, read and quoted
     tables      markdown tables made from the result files

@@ -102,6 +102,9 @@ PARTS: tuple[Part, ...] = (
         Chapter("10_which_map_which_dataflow",
                 "hash table, dense grid or sorted search; gather-GEMM-scatter or the fused dataflows; "
                 "how dataflow='auto' decides"),
+        Chapter("12_tensor_cores",
+                "the implicit GEMM's tensor-core rung: fragments, ldmatrix, mma.sync in C++ linked into "
+                "a Numba kernel, modelled in NumPy and checked; what it bought by channel count"),
     )),
     Part("Training", "beyond the paper, which measures inference only", (
         Chapter("09_training",
