@@ -31,7 +31,9 @@ def load_scan(name):
     fname, cols, _ = SCANS[name]
     path = DATA_DIR / fname
     if not path.exists():
-        pytest.skip(f"real scan {path} not present")
+        # (An sdist holds no scans: its tests run without them, and these skip.)
+        pytest.skip(f"real scan {path} not present: the real scans are read from $NUMBA_SC_DATA, else "
+                    f"../shared/data beside the checkout; set NUMBA_SC_DATA to the folder that holds {fname}")
     return np.fromfile(path, np.float32).reshape(-1, cols)
 
 

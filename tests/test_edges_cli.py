@@ -15,7 +15,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import DATA_DIR, ROOT
+from conftest import DATA_DIR, ROOT, load_scan
 from numba_sc.__main__ import main
 from numba_sc.nn import models
 from numba_sc.tools.check import select_stages
@@ -45,7 +45,7 @@ def d(tmp_path_factory):
     foreign.npz, cut.npz, empty.npz, text.npz: files that are not checkpoints
     """
     root = tmp_path_factory.mktemp("cli")
-    points = np.fromfile(DATA_DIR / KITTI_BIN, np.float32).reshape(-1, 4)
+    points = load_scan("semantickitti")  # (skips without the real scan, as in an sdist)
     raw = np.fromfile(DATA_DIR / KITTI_LABEL, np.uint32)
     labelled = np.flatnonzero(labels.learning_map(raw) != labels.IGNORE_INDEX)
     crops = []
