@@ -76,7 +76,8 @@ def peaks_from_attributes(device, memory_clock_khz, bus_width_bits, sms, clock_k
 # to 1980 MHz, compute capability 9.0; deviceQuery's reading). That gives the peaks of
 # NVIDIA's H100 datasheet, 3.35 TB/s and 67 TFLOP/s FP32 (typed: the datasheet's peaks)
 REFERENCE = peaks_from_attributes("NVIDIA H100 80GB HBM3", 2_619_000, 5120, 132, 1_980_000, (9, 0),
-                                  "the device of the recorded ladder, as CUDA reports it; no GPU here")
+                                  "no GPU here: the device that recorded ladder_all_kitti.json, as CUDA "
+                                  "reports it")
 
 
 def device_peaks() -> Peaks | None:

@@ -204,11 +204,13 @@ def test_break_finds_the_thread_the_kernel_and_says_when_there_is_none(small):
         breakpoints.parse_break("1,2,3")
 
 
-def test_cli_refuses_what_it_cannot_do(monkeypatch, capsys):
+def test_cli_refuses_what_it_cannot_do(monkeypatch, capsys, tmp_path):
     from numba_sc.__main__ import main
     import numba_sc.core.device as device
 
-    for args, says in ((["gather", "--break", "1,3"], "give one STAGE and --rung"),
+    for args, says in ((["gather", "--plot", str(tmp_path / "nodir" / "l.png")], "--plot"),
+                       (["batch_norm_backward", "--plot", str(tmp_path / "l.png")], "nothing to plot"),
+                       (["gather", "--break", "1,3"], "give one STAGE and --rung"),
                        (["gather", "scatter", "--rung", "v2"], "give one STAGE"),
                        (["gather", "--rung", "v9"], "gather has the rungs v1, v2, v3, v4"),
                        (["gather", "--rung", "v2", "--break", "1,2,3"], "BLOCK,THREAD"),
