@@ -73,6 +73,7 @@ EXAMPLES = """examples:
   numba-sc check --stage gather                  one stage's kernel against its reference
   numba-sc ladder --list                         every ladder's rungs, and what each adds
   numba-sc ladder gather scatter --dtypes float16
+  numba-sc ladder gather --rung v2               one rung: code, diff, check, time, napkin math
   numba-sc train --steps 300 --out curve.json    fit MinkUNet42 to the labelled scan
   numba-sc train --data KITTI --split train --epochs 10 --eval valid --save run.npz --log run.json
   numba-sc book                                  every notebook, run, as HTML pages in build/book
@@ -159,6 +160,18 @@ def main(argv=None):
     lad.add_argument("--rounds", type=_at_least(1), default=20, help="timed rounds on a GPU (default 20)")
     lad.add_argument("--out", help="write the table as JSON (with device, date and command)")
     lad.add_argument("--note", default="", help="what code this run measured (recorded with --out)")
+    lad.add_argument("--plot", metavar="FILE.png",
+                     help="bars of the ladder: your GPU times beside the recorded ones (no GPU: the recorded alone)")
+    one = lad.add_argument_group("one rung (numba_sc.tools.rung), with one STAGE",
+                                 "e.g. numba-sc ladder gather --rung v2 --break 1,3 --crop 200")
+    one.add_argument("--rung", metavar="vN", help="print the rung's kernel and its diff from the rung below, "
+                                                  "check it, time it beside the recorded figure, do its napkin math")
+    one.add_argument("--break", dest="break_at", metavar="B,T",
+                     help="stop in pdb inside the rung's kernel at block B, thread T (1-D indices; under the "
+                          "simulator only)")
+    one.add_argument("--kernel", metavar="NAME",
+                     help="with --break: the kernel of the stage's module to stop in (default: the rung's own; "
+                          "for a rung that is a host function, the first kernel it launches)")
     tr = command("train", "fit MinkUNet42 to the labelled SemanticKITTI scan (an overfitting check)",
                  "numba-sc train --steps 100 --crop 2000 --out curve.json")
     tr.add_argument("--data", help="folder with semantickitti_000000.bin/.label (default $NUMBA_SC_DATA or "
@@ -482,9 +495,11 @@ def _ladder(args):
     import numpy as np
 
     from .core.device import gpu_present, simulating
+    from .tools.breakpoints import parse_break
     from .tools.check import crop_points
     from .tools.demo import load_points
-    from .tools.ladder import ladders, list_ladders, run_ladder
+    from .tools.ladder import Context, ladders, list_ladders, plot_ladder, recorded_rows, run_ladder
+    from .tools.rung import break_target, run_rung, timed_rows
     from .tools.synthetic import lidar_scene
     from .coords.voxelization import voxelize
 
@@ -497,6 +512,32 @@ def _ladder(args):
     if unknown:
         print(f"no ladder for {unknown}; stages with one: {', '.join(found)}", file=sys.stderr)
         return 2
+    on_gpu = gpu_present() and not simulating()
+    stop = None
+    if args.rung is None and (args.break_at or args.kernel):
+        raise UserMistake("--break and --kernel stop in one rung's kernel: give one STAGE and --rung vN")
+    if args.rung is not None:
+        if len(args.stages) != 1:
+            raise UserMistake(f"--rung runs one rung of one ladder: give one STAGE, e.g. numba-sc ladder gather "
+                              f"--rung {args.rung} (got {len(args.stages)})")
+        declared = [r.name for r in found[stages[0]].declared]
+        if args.rung not in declared:
+            raise UserMistake(f"--rung: {stages[0]} has the rungs {', '.join(declared)}, got {args.rung!r}")
+        if args.out:
+            raise UserMistake("--out records a whole ladder run; leave out --rung to record one")
+        if args.kernel and not args.break_at:
+            raise UserMistake("--kernel names the kernel --break stops in; give --break B,T with it")
+        if args.break_at:
+            if on_gpu:
+                raise UserMistake("--break needs Numba's CUDA simulator: run with NUMBA_ENABLE_CUDASIM=1 (on a GPU "
+                                  "a kernel's threads are not Python threads that pdb can stop in)")
+            with _checking():
+                stop = parse_break(args.break_at)
+                break_target(stages[0], args.rung, args.kernel)  # a --kernel that names no kernel: refused now
+    if args.plot:
+        _output_file(args.plot, "--plot")
+        if not on_gpu and not any(recorded_rows(s)[2] for s in stages):
+            raise UserMistake(f"--plot: no GPU here and no recorded ladder of {', '.join(stages)}: nothing to plot")
     source = args.points
     if source is None:
         folder = _data_folder(("semantickitti_000000.bin",))
@@ -508,15 +549,26 @@ def _ladder(args):
             points, _ = load_points(source, args.columns)
     else:
         points, _ = lidar_scene()
-    on_gpu = gpu_present() and not simulating()
     if not on_gpu:
         points = points[crop_points(points, args.crop)]
     coords = voxelize(np.ascontiguousarray(points[:, :3]), args.voxel_size, backend="reference").coords
     print(f"{source or 'synthetic LiDAR scene'}: {len(coords)} voxels at {args.voxel_size} m"
           + ("" if on_gpu else f" (a crop of {len(points)} points: kernels under the simulator, no times)"))
     channels = args.channels or (64 if on_gpu else 8)
+    if args.rung is not None:
+        context = Context(coords, channels, points=points, voxel_size=args.voxel_size)
+        rows = run_rung(stages[0], args.rung, context, args.dtypes, args.rounds, stop=stop, kernel=args.kernel)
+        if args.plot:
+            plot_ladder(stages, timed_rows(rows), args.plot)
+        failed = [r["dtype"] for r in rows if r["agrees"] is False]
+        if failed:
+            print(f"{stages[0]} {args.rung} disagrees with the reference in {', '.join(failed)}")
+        missed = stop is not None and rows and "stopped" in rows[0] and not rows[0]["stopped"].hit
+        return 1 if failed or missed or any(r.get("quit") for r in rows) else 0
     rows = run_ladder(stages, coords, channels, args.dtypes, args.rounds, args.out, args.note,
                       points=points, voxel_size=args.voxel_size)
+    if args.plot:
+        plot_ladder(stages, rows, args.plot)
     bad = [r for r in rows if not r["agrees"]]
     if bad:
         print(f"{len(bad)} rung(s) disagree with the reference: {[(r['stage'], r['dtype'], r['rung']) for r in bad]}")

@@ -236,4 +236,6 @@ LADDER = Ladder(
           "+ the keys alone sorted, the range flag read with the count: one read (the library's)")),
     workload=lambda ctx: {"coords": ctx.device_coords()},  # a stride-2 layer's outputs
     reference=lambda w: output_coordinates_reference(to_host(w["coords"]), 2),
+    # at least: the input coordinates read once, the output coordinates written once (int32 x, y, z)
+    bytes_moved=lambda w: w["coords"].nbytes + 3 * 4 * len(output_coordinates_reference(to_host(w["coords"]), 2)),
 )

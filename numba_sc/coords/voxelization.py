@@ -276,6 +276,15 @@ def _coords_and_features(v):
     return np.concatenate([to_host(v.coords), to_host(v.features)], axis=1)
 
 
+def _bytes_moved(w):
+    """At least: the points and their features read once; each voxel's coordinates and
+    features written once, and each point's voxel index (the inverse, int64)."""
+    points, features = w["points"], w["features"]
+    voxels = len(voxelize_reference(to_host(points), w["voxel_size"]).coords)  # M, as the stage finds it
+    per_voxel = 3 * 4 + features.shape[1] * features.dtype.itemsize  # int32 x, y, z; the features
+    return points.nbytes + features.nbytes + voxels * per_voxel + points.shape[0] * 8
+
+
 LADDER = Ladder(
     "voxelization",
     (Rung("v1", lambda w: voxelization_v1(w["points"], w["voxel_size"], w["features"]),
@@ -289,6 +298,7 @@ LADDER = Ladder(
     tolerance={"float32": 1e-7, "float16": 1e-3},
     collect=_coords_and_features,
     needs=("points",),
+    bytes_moved=_bytes_moved,
 )
 
 

@@ -11,6 +11,7 @@ its reference::
         workload=_ladder_work,                       # Context -> the arrays the rungs read
         reference=lambda w: gather_reference(...),   # the stage's NumPy reference
         written=...,                                 # rows a kernel writes (None: all)
+        bytes_moved=_bytes_moved,                    # work -> the least bytes the stage moves
     )
 
 ``v1`` is the paper's algorithm as plainly as Numba allows; every later rung adds
@@ -54,6 +55,14 @@ A rung whose kernel calls linked CUDA C++ (``Rung(..., gpu_only=True)``: the
 implicit GEMM's tensor-core v4) cannot run under Numba's CUDA simulator; there
 the ladder's ``rungs`` leave it out, so the highest Python rung is the last, and
 ``declared`` still lists it (``--list`` marks it).
+
+The napkin math of a ladder (``numba-sc ladder STAGE --rung vN`` prints it, as
+llm.c's ``dev/cuda`` does for each kernel version) is declared with it:
+``bytes_moved(work)``, the bytes the stage cannot avoid moving between the GPU's
+memory and its cores, and, for a stage that multiplies matrices, ``flops(work)``.
+Divided by the device's peak bandwidth and arithmetic rate they give the time no
+rung can beat; a rung's measured time beside it says how far from that bound it
+runs, and which of the two bounds it is (memory or arithmetic).
 """
 from __future__ import annotations
 
@@ -91,6 +100,17 @@ class Ladder:
     needs are not given is left out); ``operation`` the name its rung objects carry,
     ``<operation>_v<n>`` (default: ``stage``; module docstring).
 
+    ``bytes_moved(work)`` is the stage's napkin math (module docstring): the bytes
+    that every rung must at least read and write in the device's memory, at the
+    workload's actual sizes. Each array the stage reads counts once (whole, or the
+    part the result needs), and each array it writes counts once: the traffic of a
+    perfect cache, which no rung beats, not the traffic of any one rung (v1 reads
+    again what a cache would keep). An index counts as the least that tells the stage
+    where to read or write (one int32 a pair, where a rung reads a dense table).
+    ``flops(work)`` is the arithmetic every rung must do (a multiply-add counts
+    two), declared where the stage multiplies matrices (the dataflows); elsewhere
+    memory is the only bound. Both default to None: no napkin math.
+
     ``rungs`` are the rungs that can run here: under the simulator the ``gpu_only``
     ones are left out. ``declared`` holds every rung, as given.
     """
@@ -104,6 +124,8 @@ class Ladder:
     collect: Callable | None = None
     needs: tuple = ()
     operation: str | None = None
+    bytes_moved: Callable | None = None  # work -> the least bytes read + written (docstring)
+    flops: Callable | None = None  # work -> the least arithmetic, for a stage that multiplies matrices
     declared: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):

@@ -309,6 +309,14 @@ def _rung(name, adds):
     return Rung(name, lambda w: gather_rung(name, w["features"], w["plan"], w["tile"]), adds)
 
 
+def _bytes_moved(w):
+    """At least: each input that feeds a buffer row read once, one int32 a pair saying
+    which row it goes to, and each pair's row written once."""
+    pairs = to_host(w["plan"].in_table) >= 0  # (|P|, K): input p feeds a row through offset k
+    row = w["features"].shape[1] * w["features"].dtype.itemsize  # one row of features, in bytes
+    return int(pairs.any(axis=1).sum()) * row + int(pairs.sum()) * (4 + row)
+
+
 LADDER = Ladder(
     "gather",
     (_rung("v1", "Algorithm 1: each thread walks its point's row of the dense input table"),
@@ -318,4 +326,5 @@ LADDER = Ladder(
     workload=lambda ctx: ctx.layer(),  # one 3x3x3 submanifold layer: its plan, features and tile
     reference=lambda w: gather_reference(to_host(w["features"]), to_host(w["plan"].in_table), w["plan"].rows),
     written=_written_rows,
+    bytes_moved=_bytes_moved,
 )

@@ -516,6 +516,15 @@ def _dense_tables(result):
     return np.concatenate([to_host(out_table).ravel(), to_host(in_table).ravel()])
 
 
+def _bytes_moved(w):
+    """At least: the kernel map's (K, |Q|) table read once (int32); written, each buffered
+    pair's buffer row twice, once where the gather looks it up (by input) and once where
+    the scatter does (by output), an int32 each: the least any layout of the tables holds."""
+    plan = build_plan_reference(w["km"])
+    buffered = int(plan.counts[plan.base >= 0].sum())  # pairs with a buffer row (not the centre's)
+    return w["km"].table.nbytes + buffered * 2 * 4
+
+
 LADDER = Ladder(
     "metadata",
     (Rung("v1", lambda w: build_tables_v1(w["km"]),
@@ -525,4 +534,5 @@ LADDER = Ladder(
     workload=lambda ctx: {"km": ctx.layer()["km"]},  # one 3x3x3 submanifold layer's map
     reference=lambda w: _dense_tables(build_plan_reference(w["km"])),
     collect=_dense_tables,
+    bytes_moved=_bytes_moved,
 )

@@ -298,6 +298,14 @@ def _rung(name, adds):
     return Rung(name, lambda w: scatter_rung(name, w["obuf"], w["plan"], w["init"], w["tile"]), adds)
 
 
+def _bytes_moved(w):
+    """At least: each pair's partial result read once, with one int32 saying which buffer
+    row holds it, and each output's init read; each output written once."""
+    pairs = int((to_host(w["plan"].out_table) >= 0).sum())  # (|Q|, K) table of buffer rows
+    row = w["obuf"].shape[1] * w["obuf"].dtype.itemsize  # one row of channels, in bytes
+    return pairs * (row + 4) + 2 * w["init"].nbytes  # init read, and the output (its shape) written
+
+
 LADDER = Ladder(
     "scatter",
     (_rung("v1", "each thread walks its output's row of the dense output table, a channel at a time"),
@@ -306,4 +314,5 @@ LADDER = Ladder(
      _rung("v4", "+ whole words, unpacked into channels to be added (the library's)")),
     workload=_ladder_work,
     reference=lambda w: scatter_reference(to_host(w["obuf"]), to_host(w["plan"].out_table), to_host(w["init"])),
+    bytes_moved=_bytes_moved,
 )

@@ -343,6 +343,15 @@ def _ladder_reference(w):
     return np.concatenate([bounds.ravel(), split_query_blocks_reference(bounds, w["C"]).ravel()])
 
 
+def _bytes_moved(w):
+    """At least: the keys read once (the pivots are among them, and a cache would keep
+    what the binary searches probe twice) and the K deltas; written, the bounds (int64,
+    K x (source blocks + 1)) and the balanced rows (4 int32 each)."""
+    keys, full = w["keys"], w["full"]
+    bounds = full["deltas"].shape[0] * (num_source_blocks(keys.shape[0], w["B"]) + 1) * 8
+    return keys.nbytes + full["deltas"].nbytes + bounds + full["grid"] * 4 * 4  # grid: the rows found
+
+
 LADDER = Ladder(
     "backward_search",
     (Rung("v1", lambda w: backward_search_v1(w["keys"], w["keys"], w["full"]["deltas"], w["B"], w["C"]),
@@ -353,6 +362,7 @@ LADDER = Ladder(
     workload=search_workload,
     reference=_ladder_reference,
     collect=_bounds_and_rows,
+    bytes_moved=_bytes_moved,
 )
 
 

@@ -549,6 +549,16 @@ def _ladder_reference(w):
     return table
 
 
+def _bytes_moved(w):
+    """At least: the keys read once (sources and queries are the same sorted keys here),
+    with the deltas and the balanced rows of the half that v3 and v4 search; written, the
+    (K, |Q|) table, every entry once (int32)."""
+    half = w["half"]
+    K, Q = w["table_shape"]
+    rows = half["grid"] * 4 * 4  # 4 int32 a balanced row
+    return w["keys"].nbytes + half["deltas"].nbytes + rows + K * Q * 4
+
+
 LADDER = Ladder(
     "forward_search",
     (Rung("v1", lambda w: _run_rung("v1", w),
@@ -559,4 +569,5 @@ LADDER = Ladder(
           "+ counts, chunk counts, masks found with the pairs (v1-v3: passes after); constants, unsigned")),
     workload=_ladder_work,
     reference=_ladder_reference,
+    bytes_moved=_bytes_moved,
 )

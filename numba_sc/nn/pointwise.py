@@ -806,6 +806,8 @@ LADDER = Ladder(
     workload=_ladder_work,
     reference=lambda w: batch_norm_reference(to_host(w["features"]), *[to_host(v) for v in w["bn"]], 1e-5,
                                              to_host(w["residual"]), True),
+    # at least: the features, the residual and the 4 per-channel statistics read once, the output written once
+    bytes_moved=lambda w: 2 * w["features"].nbytes + w["residual"].nbytes + sum(v.nbytes for v in w["bn"]),
     # the GPU fuses a multiply and an add (and v2 approximates the root and the
     # division): a float32 ulp or two, which may move a fp16 rounding by one ulp
     tolerance={"float32": 4e-6, "float16": 2e-3},
@@ -840,6 +842,10 @@ BACKWARD_LADDER = Ladder(
                                                       to_host(w["bn"][0]), *[to_host(s) for s in w["stats"]],
                                                       1e-5, True, True)[0],
     collect=lambda res: to_host(res[0]),  # dx: in training mode it reads both sums
+    # at least: g, x and y read once (a cache would keep them from the sums' pass to dx's), the weight and
+    # the batch's statistics; dx written, with the weight's and the bias's gradients (C float32 each)
+    bytes_moved=lambda w: (sum(w[k].nbytes for k in ("g", "features", "y")) + w["bn"][0].nbytes
+                           + sum(s.nbytes for s in w["stats"]) + w["features"].nbytes + 2 * w["bn"][0].nbytes),
     # float32 arithmetic against float64, the sums in another order; half: one rounding
     tolerance={"float32": 2e-5, "float16": 2e-3},
 )

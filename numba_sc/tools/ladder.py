@@ -20,6 +20,10 @@ runs them, two ways:
   machine costs every rung alike), with the speed-up of each step and over
   v1; ``--out`` writes the table with the device, date and command.
 
+``--plot FILE.png`` draws the run as bars beside the recorded ladder
+(:func:`plot_ladder`). One rung alone, with its code, its diff, its time beside the
+recorded one and its napkin math, is ``--rung vN`` (:mod:`numba_sc.tools.rung`).
+
 A module's ``LADDER`` is named after the module, a further ladder after the
 operation it climbs (:mod:`numba_sc.core.rungs`); ``python -m numba_sc ladder
 --list`` prints them, in the pipeline's order, with what each rung adds, and
@@ -47,15 +51,17 @@ import numpy as np
 
 from ..core.device import device_name, gpu_present, simulating
 from ..core.backend import to_device
-from ..core.files import write_text
+from ..core.files import atomic_write, write_text
 from ..core.rungs import Ladder
 from ..gmas.autotune import gpu_time_once, heuristic_tile
 from ..gmas.layout import submanifold_centre
 from ..gmas.plan import build_plan
 from ..map.map_step import build_kernel_map
+from . import results
 
-__all__ = ["Context", "RECORDED_NAMES", "STAGES", "agreement", "agrees", "check_rungs", "ladder_modules",
-           "ladders", "list_ladders", "module_ladders", "plot_recorded", "run_ladder", "time_rungs"]
+__all__ = ["CHANNEL_FREE", "Context", "RECORDED_LADDERS", "RECORDED_NAMES", "STAGES", "agreement", "agrees",
+           "check_rungs", "ladder_modules", "ladders", "list_ladders", "module_ladders", "plot_ladder", "plot_recorded",
+           "recorded_rows", "run_ladder", "time_rungs"]
 
 # The stage modules with ladders, in the pipeline's order (the only stage-specific
 # thing here; each module's ladders are found in it, module_ladders): stages 1-2,
@@ -79,6 +85,32 @@ STAGES = (
 RECORDED_NAMES = {"voxelize": "voxelization", "outcoords": "output_coords", "backward": "backward_search",
                   "search": "forward_search", "batchnorm": "pointwise", "fetch": "fetch_on_demand",
                   "implicit": "implicit_gemm"}
+
+# The recorded ladder runs (``--out`` files in benchmarks/results/) that a rung's recorded
+# figure is read from: the first that records the stage (recorded_rows). The first holds
+# every stage up to BatchNorm's forward, the second the implicit GEMM's ladder, its
+# tensor-core rung included; fetch-on-demand and BatchNorm's backward have no record.
+RECORDED_LADDERS = ("ladder_all_kitti", "ladder_implicit_gemm")
+
+# The ladders whose work does not depend on the features' channel count (the Map
+# step's, and voxelization, whose features are the scan's own columns): their
+# recorded figures are quoted without one.
+CHANNEL_FREE = ("voxelization", "output_coords", "backward_search", "forward_search")
+
+
+def recorded_rows(stage: str):
+    """``(file name, record, rows)`` of the first of :data:`RECORDED_LADDERS` that records
+    ``stage`` (a ladder name; the rows as recorded, every rung and dtype), or
+    ``(None, None, [])``."""
+    for name in RECORDED_LADDERS:
+        try:
+            record = results.load(name)
+        except FileNotFoundError:  # an installed package has no benchmarks/
+            continue
+        rows = [r for r in record["rows"] if RECORDED_NAMES.get(r["stage"], r["stage"]) == stage]
+        if rows:
+            return name, record, rows
+    return None, None, []
 
 
 @dataclass
@@ -213,12 +245,12 @@ def agrees(ladder, dtype, error) -> bool:
     return error <= (ladder.tolerance or {}).get(dtype, 0.0)
 
 
-def time_rungs(ladder, work, rounds=20, warmup=5):
-    """Median GPU microseconds of each rung, interleaved rounds, after ``warmup`` calls
-    of each (the first compiles; the rest let the library's caches and memory pool
-    settle: with one warm-up call, the stages that call the array library read up to
-    twice as slow in a fresh process, measured on the H100)."""
-    rungs = list(ladder.names)
+def time_rungs(ladder, work, rounds=20, warmup=5, names=None):
+    """Median GPU microseconds of each rung (of ``names``, default all), interleaved
+    rounds, after ``warmup`` calls of each (the first compiles; the rest let the
+    library's caches and memory pool settle: with one warm-up call, the stages that call
+    the array library read up to twice as slow in a fresh process, measured on the H100)."""
+    rungs = list(ladder.names if names is None else names)
     for _ in range(warmup):
         for r in rungs:
             ladder.run(r, work)
@@ -248,32 +280,82 @@ def check_rungs(stages, context: Context, print_=print):
     return errors
 
 
-def plot_recorded(record, stages, axes=None):
+def plot_recorded(record, stages, axes=None, mine=None):
     """Bars of a recorded ladder run (a ``--out`` file, loaded): each rung's GPU time per
     dtype, labelled with its speed-up over v1; one panel a stage (needs matplotlib).
 
     ``stages`` are ladder names; a record's rows may name them as they were named
-    when it was recorded (:data:`RECORDED_NAMES`)."""
-    import matplotlib.pyplot as plt
-
+    when it was recorded (:data:`RECORDED_NAMES`). ``mine``: rows of the reader's own
+    run on a GPU (:func:`run_ladder`'s, or ``numba-sc ladder STAGE --rung vN``'s), drawn
+    hatched beside the recorded bars of the same rung and dtype."""
     if axes is None:
+        import matplotlib.pyplot as plt
+
         _, axes = plt.subplots(1, len(stages), figsize=(4.2 * len(stages), 3.4), squeeze=False)
         axes = axes[0]
     for ax, stage in zip(axes, stages):
+        series = []  # (label, rows, colour, hatch): recorded, then the reader's, per dtype
         for j, dt in enumerate(("float32", "float16")):
-            rows = [r for r in record["rows"]
-                    if RECORDED_NAMES.get(r["stage"], r["stage"]) == stage and r["dtype"] == dt]
-            xs = np.arange(len(rows)) + (j - 0.5) * 0.38
-            ax.bar(xs, [r["gpu_us"] for r in rows], 0.38, label=dt, color=f"C{j}")
+            rec = [r for r in (record or {}).get("rows", [])
+                   if RECORDED_NAMES.get(r["stage"], r["stage"]) == stage and r["dtype"] == dt]
+            series.append((f"{dt} recorded" if mine else dt, rec, f"C{j}", None))
+            if mine:
+                own = [r for r in mine if r["stage"] == stage and r["dtype"] == dt and r.get("gpu_us")]
+                series.append((f"{dt} yours", own, f"C{j}", "//"))
+        series = [s for s in series if s[1]]
+        rungs = sorted({r["rung"] for _, rows, _, _ in series for r in rows}, key=lambda n: int(n[1:]))
+        width = 0.76 / max(1, len(series))
+        for i, (label, rows, colour, hatch) in enumerate(series):
+            xs = [rungs.index(r["rung"]) + (i - (len(series) - 1) / 2) * width for r in rows]
+            ax.bar(xs, [r["gpu_us"] for r in rows], width, label=label, color=colour, hatch=hatch,
+                   alpha=0.6 if hatch else 1.0)
             for x, r in zip(xs, rows):
-                ax.text(x, r["gpu_us"], f"{r['vs_v1']:.1f}x", ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(range(len(rows)), [r["rung"] for r in rows])
+                if "vs_v1" in r:
+                    ax.text(x, r["gpu_us"], f"{r['vs_v1']:.1f}x", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(rungs)), rungs)
         ax.set_title(stage)
         ax.set_ylabel("GPU us")
     axes[0].legend(fontsize=8)
-    rec = record["recorded"]
-    axes[0].figure.suptitle(f"{rec['device']}, {rec['date']}: {record['points']:,} voxels", fontsize=9)
+    if record:
+        rec = record["recorded"]
+        axes[0].figure.suptitle(f"{rec['device']}, {rec['date']}: {record['points']:,} voxels", fontsize=9)
     return axes
+
+
+def plot_ladder(stages, mine, path, print_=print):
+    """``numba-sc ladder ... --plot FILE.png``: the reader's ladder as bars, their GPU times
+    (``mine``, rows with ``gpu_us``) beside the recorded ones, one panel a stage, written
+    to ``path`` (atomically). Without times of their own (no GPU) it plots the recorded
+    ladder alone and says so. Each panel's record is the stage's (:func:`recorded_rows`);
+    a stage with neither times nor a record gets no panel."""
+    from matplotlib.figure import Figure  # (no pyplot: nothing opens a window)
+
+    timed = [r for r in mine if r.get("gpu_us")]
+    panels = []  # (stage, record)
+    for stage in stages:
+        _, record, rows = recorded_rows(stage)
+        if rows or any(r["stage"] == stage for r in timed):
+            panels.append((stage, record))
+        else:
+            print_(f"--plot: {stage} has no recorded ladder and no GPU times here: no panel")
+    if not panels:
+        raise ValueError(f"--plot: nothing to plot for {', '.join(stages)}: no GPU times here and no recorded "
+                         f"ladder ({', '.join(RECORDED_LADDERS)})")
+    fig = Figure(figsize=(4.2 * len(panels), 3.6))
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (stage, record) in zip(axes, panels):
+        plot_recorded(record, [stage], axes=[ax], mine=timed or None)
+        ax.legend(fontsize=7)
+    records = dict.fromkeys(f"{r['recorded']['device']}, {r['recorded']['date']}, {r['points']:,} voxels"
+                            for _, r in panels if r)
+    recorded = "; ".join(records) or "nothing recorded"
+    fig.suptitle((f"yours (hatched): {device_name()}; recorded: {recorded}" if timed else
+                  f"no GPU here, so the recorded ladder alone: {recorded}"), fontsize=9)
+    fig.tight_layout()
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100), name="--plot")
+    print_(f"--plot: wrote {path}: " + ("your GPU times beside the recorded ones" if timed else
+                                        "no GPU times here (the kernels ran under the simulator), so it plots "
+                                        "the recorded times alone"))
 
 
 def run_ladder(stages, coords, channels=64, dtypes=("float32", "float16"), rounds=20, out=None, note="",

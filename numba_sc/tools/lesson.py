@@ -30,7 +30,7 @@ import textwrap
 
 from . import results
 
-__all__ = ["bought", "code", "diff", "show"]
+__all__ = ["bought", "code", "diff", "diff_text", "python_function", "rung_object", "show"]
 
 
 def _ladder(stage: str):
@@ -48,25 +48,33 @@ def _rung_name(ladder, rung: str) -> str:
     return f"{ladder.operation}_{rung}" if re.fullmatch(r"v\d+", rung) else rung
 
 
-def _python(obj):
-    """The Python function behind a kernel (a numba dispatcher, or the simulator's stand-in)."""
+def python_function(obj):
+    """The Python function behind a kernel (a numba dispatcher, or the simulator's
+    stand-in) or a cached kernel factory (``functools.lru_cache``'s wrapper)."""
     for attr in ("py_func", "fn", "__wrapped__"):
         inner = getattr(obj, attr, None)
         if callable(inner):
-            return _python(inner)
+            return python_function(inner)
     return obj
+
+
+def rung_object(stage: str, rung: str):
+    """``(its name, the object)``: what ``stage``'s rung ``rung`` names (``"v2"``:
+    ``gather_v2``, the kernel, kernel factory or host function), or any kernel or
+    function of the stage's module by its name (``"atomic_reduce_v1"``)."""
+    module, ladder = _ladder(stage)
+    name = _rung_name(ladder, rung)
+    if not hasattr(module, name):
+        have = sorted(n for n in vars(module) if re.fullmatch(r"[a-z_]+_v\d+", n))
+        raise ValueError(f"{module.__name__} has no {name}; its rung objects are {have}")
+    return name, getattr(module, name)
 
 
 def code(stage: str, rung: str) -> str:
     """The source of ``stage``'s rung ``rung`` (``code("gather", "v1")``), or of any kernel
     or function of the stage's module by its name (``code("voxelization",
     "atomic_reduce_v1")``: a kernel that one step of a rung launches)."""
-    module, ladder = _ladder(stage)
-    name = _rung_name(ladder, rung)
-    if not hasattr(module, name):
-        have = sorted(n for n in vars(module) if re.fullmatch(r"[a-z_]+_v\d+", n))
-        raise ValueError(f"{module.__name__} has no {name}; its rung objects are {have}")
-    return textwrap.dedent(inspect.getsource(_python(getattr(module, name))))
+    return textwrap.dedent(inspect.getsource(python_function(rung_object(stage, rung)[1])))
 
 
 def _display(text: str, language: str):
@@ -92,28 +100,31 @@ def diff(stage: str, lower: str, upper: str, context: int = 2) -> str:
     and returned). Only the lines that differ are shown, with ``context`` lines around.
     Either may name a kernel instead (``diff("voxelization", "atomic_reduce_v1", "v2")``:
     where v1 is a host function launching two kernels, the kernel that v2 replaces)."""
+    text = diff_text(stage, lower, upper, context)
+    _display(text, "diff")
+    return text
+
+
+def diff_text(stage: str, lower: str, upper: str, context: int = 2) -> str:
+    """:func:`diff`'s unified diff, returned without being shown."""
     a, b = code(stage, lower).splitlines(), code(stage, upper).splitlines()
     _, ladder = _ladder(stage)
     lines = difflib.unified_diff(a, b, _rung_name(ladder, lower), _rung_name(ladder, upper), n=context,
                                  lineterm="")
-    text = "\n".join(lines)
-    _display(text, "diff")
-    return text
+    return "\n".join(lines)
 
 
 def bought(stage: str, record: str = "ladder_all_kitti", print_=print) -> list:
     """Each rung of ``stage`` as recorded on a GPU by ``numba-sc ladder --out``: what it
     adds, its time per dtype, and its speed-up over the rung below and over v1. Prints a
     table with the record's provenance; returns the rows."""
-    from .ladder import RECORDED_NAMES
+    from .ladder import CHANNEL_FREE, RECORDED_NAMES
 
     rec = results.load(record)
     rows = [r for r in rec["rows"] if RECORDED_NAMES.get(r["stage"], r["stage"]) == stage]
     if not rows:
         raise ValueError(f"{record}.json records no rung of {stage!r}")
-    # The Map step's stages and voxelization do not depend on the features' channel count.
-    channels = "" if stage in ("voxelization", "output_coords", "backward_search", "forward_search") \
-        else f", {rec['channels']} channels"
+    channels = "" if stage in CHANNEL_FREE else f", {rec['channels']} channels"
     print_(f"{stage}: {rec['points']:,} voxels{channels} ({results.provenance(rec)})")
     print_(f"{'rung':5} {'dtype':8} {'GPU us':>9} {'vs below':>9} {'vs v1':>7}  adds")
     for r in rows:
