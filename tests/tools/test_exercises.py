@@ -1,5 +1,6 @@
 """Every notebook's exercises: at least two each, every shown solution passes its checker,
-every declared wrong answer fails it, and an unanswered exercise is reported as such.
+every declared slip fails it with a message that explains it (the element, and the rule in
+the slip's own words), and an unanswered exercise is reported as such.
 
 Solutions are read from the notebooks themselves (the ``<details>`` block under each
 ``### Exercise N.M`` heading), so the solution a student unfolds is the one tested.
@@ -74,10 +75,55 @@ def test_solution_passes(number, capsys):
     assert "correct" in capsys.readouterr().out
 
 
+SLIPS = [(number, i) for number in sorted(EXERCISES) for i in range(len(EXERCISES[number].wrong))]
+
+
+@pytest.mark.parametrize("number, i", SLIPS, ids=[f"{n}-slip{i}" for n, i in SLIPS])
+def test_slip_fails_and_says_why(number, i):
+    """Each planted slip fails its checker, and the failure explains it: it says what is
+    wrong and where, then the rule, and the slip's own words appear in it (a failure that
+    only locates, or names another cause, does not pass)."""
+    slip = EXERCISES[number].wrong[i]
+    with pytest.raises(ExerciseFailed) as failure:
+        EXERCISES[number].checker(slip.answer)
+    message = str(failure.value)
+    assert failure.value.found and failure.value.rule, message
+    assert message == f"{failure.value.found}\nThe rule: {failure.value.rule}"
+    assert slip.says.lower() in message.lower(), (
+        f"exercise {number}, slip {getattr(slip.answer, '__name__', slip.answer)}: the failure does not say "
+        f"{slip.says!r}:\n{message}")
+
+
 @pytest.mark.parametrize("number", sorted(EXERCISES))
-def test_wrong_answer_fails(number):
-    with pytest.raises(ExerciseFailed):
-        EXERCISES[number].checker(EXERCISES[number].wrong)
+def test_every_checker_plants_several_slips(number):
+    assert len(EXERCISES[number].wrong) >= 2, f"exercise {number} plants {len(EXERCISES[number].wrong)} slip(s)"
+
+
+def test_a_race_fails_on_every_run():
+    """2.2's maximum without an atomic fails every time, on the same element: the verdict
+    comes from the record of who touched what, not from the threads' timing."""
+    check = EXERCISES["2.2"].checker
+    racy = next(s.answer for s in EXERCISES["2.2"].wrong if s.says == "cuda.atomic.max")
+    verdicts = set()
+    for _ in range(3):
+        with pytest.raises(ExerciseFailed) as failure:
+            check(racy)
+        assert failure.value.found.startswith("a data race on out[")
+        verdicts.add(failure.value.found.split(":")[0])
+    assert len(verdicts) == 1, verdicts
+
+
+def test_a_failure_names_the_element_the_values_and_the_rule():
+    with pytest.raises(ExerciseFailed) as failure:
+        exercises.expect_equal([[1, 2], [3, 4]], [[1, 2], [3, 5]], "stride 2: table[k, i]", rule="the rule says so",
+                               where=lambda ki: f"offset {ki[0]}")
+    assert failure.value.found == "stride 2: table[k=1, i=1] (offset 1): got 4, expected 5 (1 of 4 values differ)"
+    assert failure.value.rule == "the rule says so"
+    with pytest.raises(ExerciseFailed, match=r"shape \(3,\), expected \(2,\)"):
+        exercises.expect_equal([1, 2, 3], [1, 2], "x[i]", rule="r")
+    exercises.expect_equal([1.0, float("nan")], [1.0 + 1e-9, float("nan")], "x[i]", rule="r", atol=1e-6)
+    with pytest.raises(ValueError, match="rule"):
+        ExerciseFailed("something is wrong", rule="")
 
 
 def test_unanswered_is_not_checked(capsys):

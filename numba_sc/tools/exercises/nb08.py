@@ -9,13 +9,16 @@
 * 8.2 a spconv weight ``(C_out, kx, ky, kz, C_in)`` as this library's ``(K, C_in, C_out)``:
   the kernel positions are enumerated the same way (x slowest), so it is a transpose and
   a reshape. The wrong answer reshapes without the transpose: the right shape, the
-  wrong numbers (it reads C_out's axis as if it were the offsets').
+  wrong numbers (it reads C_out's axis as if it were the offsets'). The other slip
+  enumerates the kernel positions z slowest.
+
+8.1's other slip builds a map at every layer, as if nothing were ever found again.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import ExerciseFailed, exercise, expect_equal
+from . import ExerciseFailed, Slip, exercise, expect_equal
 from .inputs import crop_voxels
 
 
@@ -48,6 +51,17 @@ def _maps_built_forgetful(layers):
     return built
 
 
+def _maps_built_every_layer(layers):
+    """Wrong: every layer but a transposed one builds a map, as if none were kept."""
+    return sum(kind != "up" for kind, *_ in layers)
+
+
+MAPS_RULE = ("a submanifold layer builds a map unless its kernel's map is on the coordinate set already; a "
+             "strided layer builds one unless the same downsampling (kernel and stride) already ran from this "
+             "set; a transposed layer builds nothing and returns to the set its strided layer started from, "
+             "with that set's maps")
+
+
 def _network(chain, channels=2):
     from ... import nn
 
@@ -69,7 +83,9 @@ def _maps_on(maps):
     return len(maps.subm) + sum(1 + _maps_on(coarse) for _, coarse in maps.down.values())
 
 
-@exercise("8.1", "how many maps a network builds", answer="maps_built", wrong=_maps_built_forgetful)
+@exercise("8.1", "how many maps a network builds", answer="maps_built",
+          wrong=[Slip(_maps_built_forgetful, says="with that set's maps"),
+                 Slip(_maps_built_every_layer, says="unless")])
 def check_maps_built(maps_built):
     """``maps_built(chain)`` for a few chains of layers, against the maps each chain left
     on a crop's coordinates when run as a network (reference backend)."""
@@ -83,8 +99,8 @@ def check_maps_built(maps_built):
         expected = _maps_on(x.maps)
         got = maps_built(list(chain))
         if not isinstance(got, (int, np.integer)):
-            raise ExerciseFailed(f"maps_built must return an int, got {type(got).__name__}")
-        expect_equal(int(got), expected, f"Map steps of the chain {chain}")
+            raise ExerciseFailed(f"maps_built returned a {type(got).__name__}", "maps_built returns an int")
+        expect_equal(int(got), expected, f"the Map steps of the chain {chain}", rule=MAPS_RULE)
 
 
 # -- 8.2 ------------------------------------------------------------------------------
@@ -95,7 +111,19 @@ def _from_spconv_reshaped(w):
     return w.reshape(-1, w.shape[4], w.shape[0])
 
 
-@exercise("8.2", "a spconv weight in this library's layout", answer="from_spconv", wrong=_from_spconv_reshaped)
+def _from_spconv_z_slowest(w):
+    """Wrong: the kernel positions enumerated z slowest (kz, ky, kx), not x slowest."""
+    w = np.asarray(w)
+    return np.ascontiguousarray(np.transpose(w, (3, 2, 1, 4, 0)).reshape(-1, w.shape[4], w.shape[0]))
+
+
+SPCONV_RULE = ("W[k, c_in, c_out] = w[c_out, kx, ky, kz, c_in], with k enumerating (kx, ky, kz) x slowest as "
+               "kernel_offsets does: move C_out last (a transpose), then merge the three kernel axes (a "
+               "reshape). A reshape alone regroups memory in order, and reads C_out's axis as the offsets'")
+
+
+@exercise("8.2", "a spconv weight in this library's layout", answer="from_spconv",
+          wrong=[Slip(_from_spconv_reshaped, says="reshape alone"), Slip(_from_spconv_z_slowest, says="x slowest")])
 def check_from_spconv(from_spconv):
     """``from_spconv(w)`` on random spconv weights of several kernel shapes, against
     :func:`numba_sc.spconv_format.conv_weight_from_spconv`."""
@@ -106,4 +134,5 @@ def check_from_spconv(from_spconv):
         w = rng.normal(size=(c_out, *kernel, c_in)).astype(np.float32)
         got = np.asarray(from_spconv(w.copy()))
         expect_equal(got, conv_weight_from_spconv(w),
-                     f"W[k, c_in, c_out] for a {'x'.join(map(str, kernel))} kernel, {c_in} -> {c_out} channels")
+                     f"a {'x'.join(map(str, kernel))} kernel, {c_in} -> {c_out} channels: W[k, c_in, c_out]",
+                     rule=SPCONV_RULE)
