@@ -22,7 +22,7 @@ import numpy as np
 
 from ...dataflows.tensor_cores import c_layout_reference
 from ..mma_model import b_fragment, fragments, ldmatrix_x4
-from . import ExerciseFailed, exercise
+from . import ExerciseFailed, Slip, exercise
 
 
 def _pair(value, call: str) -> tuple:
@@ -31,7 +31,8 @@ def _pair(value, call: str) -> tuple:
         row, col = value
         return int(row), int(col)
     except (TypeError, ValueError):
-        raise ExerciseFailed(f"{call} must return (row, column), two ints; got {value!r}") from None
+        raise ExerciseFailed(f"{call} returned {value!r}",
+                             "an address or a position is a pair (row, column) of ints") from None
 
 
 # -- 12.1 -----------------------------------------------------------------------------
@@ -41,7 +42,14 @@ def _c_position_swapped(lane, r):
     return lane // 4 + (r % 2) * 8, (lane % 4) * 2 + r // 2
 
 
-@exercise("12.1", "where a lane's results belong", answer="c_position", wrong=_c_position_swapped)
+def _c_position_transposed(lane, r):
+    """Wrong: rows and columns swapped (the tile read as 8 x 16)."""
+    return (lane % 4) * 2 + r % 2, lane // 4 + (r // 2) * 8
+
+
+@exercise("12.1", "where a lane's results belong", answer="c_position",
+          wrong=[Slip(_c_position_swapped, says="results 0 and 1 are row g"),
+                 Slip(_c_position_transposed, says="c_position(0, 1) = (1, 0), expected (0, 1)")])
 def check_c_position(c_position):
     """``c_position(lane, r)`` for every lane 0..31 and result 0..3, against the library's
     table of the ``C`` fragment."""
@@ -53,7 +61,8 @@ def check_c_position(c_position):
             if got != want:
                 g, t = lane // 4, lane % 4
                 raise ExerciseFailed(
-                    f"c_position({lane}, {r}) = {got}, expected {want}. The rule: lane {lane} is in group "
+                    f"c_position({lane}, {r}) = {got}, expected {want}",
+                    f"lane {lane} is in group "
                     f"g = lane // 4 = {g} at place t = lane % 4 = {t}; its results 0 and 1 are row g, "
                     f"columns 2t and 2t + 1 (neighbours on a row, one 8-byte pair), results 2 and 3 the "
                     f"same columns of row g + 8")
@@ -76,7 +85,20 @@ def _needed(lane, col0, ks) -> tuple:
     return ks * 16 + (m % 2) * 8 + i, col0 + (m // 2) * 8
 
 
-@exercise("12.2", "the addresses that load B", answer="b_address", wrong=_b_address_swapped)
+def _b_address_one_half(lane, col0, ks):
+    """Wrong: lanes 8-15 point at the same channels as lanes 0-7, so b1 is b0 again."""
+    return ks * 16 + (lane & 7), col0 + (lane >> 4) * 8
+
+
+def _b_address_unaligned(lane, col0, ks):
+    """Wrong: the second column tile starts 4 values on, not at a 16-byte row boundary."""
+    return ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, col0 + (lane >> 4) * 4
+
+
+@exercise("12.2", "the addresses that load B", answer="b_address",
+          wrong=[Slip(_b_address_swapped, says="lanes 8m .. 8m + 7 give the rows of matrix m"),
+                 Slip(_b_address_one_half, says="expected (8, 0)"),
+                 Slip(_b_address_unaligned, says="16-byte aligned")])
 def check_b_address(b_address):
     """``b_address(lane, col0, ks)`` for both steps of a 32-channel chunk and two column
     tiles: its 32 addresses go through the model of ``ldmatrix.x4.trans``, and the four
@@ -90,7 +112,9 @@ def check_b_address(b_address):
             try:
                 regs = ldmatrix_x4(tile, rows, cols, trans=True)
             except ValueError as err:
-                raise ExerciseFailed(f"b_address(lane, {col0}, {ks}): {err}") from None
+                raise ExerciseFailed(f"b_address(lane, {col0}, {ks}): {err}",
+                                     "ldmatrix reads 16-byte rows: every address starts a row of 8 values "
+                                     "inside the tile") from None
             for p in (0, 1):  # registers 2p, 2p + 1: the column tile at col0 + 8p
                 got = regs[:, 2 * p:2 * p + 2].reshape(32, 4)
                 want = fragments(tile[16 * ks:16 * ks + 16, col0 + 8 * p:col0 + 8 * p + 8], b_fragment())
@@ -104,7 +128,8 @@ def check_b_address(b_address):
                     f"b_address(lane, {col0}, {ks}): lane {lane}'s register {2 * p + e // 2} holds tile element "
                     f"{at}, expected {expected} (b{e // 2} of the column tile at {col0 + 8 * p}). The cause: lane "
                     f"{giver} gives {addresses[giver]} as the start of row {giver % 8} of matrix {giver // 8}, "
-                    f"which must be {_needed(giver, col0, ks)}. The rule: lanes 8m .. 8m + 7 give the rows of "
+                    f"which must be {_needed(giver, col0, ks)}",
+                    "lanes 8m .. 8m + 7 give the rows of "
                     "matrix m, which comes back in register m; matrices 0 and 1 are channels 16 ks + 0..7 and "
                     "16 ks + 8..15 at column col0 (b0, b1 of the first tile), matrices 2 and 3 the same at "
                     "column col0 + 8")
