@@ -539,6 +539,18 @@ def sync():
         cupy.cuda.runtime.deviceSynchronize()
 
 
+def free_pool():
+    """Give CuPy's cached blocks back to the device between clouds: ncu saves and restores the
+    device's memory around each replay of a kernel, and a pool holding gigabytes of freed
+    blocks from the last cloud would only make that slower."""
+    from numba_sc.core.device import simulating
+
+    if not simulating():
+        import cupy
+
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
 def device_info() -> dict:
     """The device's name, L2 size, SM count and peak DRAM bandwidth (2 x memory clock x bus
     width, from the device attributes), for the result files' "x % of peak"."""
@@ -761,6 +773,7 @@ def run_workloads(args, session):
             try:
                 coords, how = make_cloud(name, data)
                 work(name, coords, how)
+                free_pool()
             except Exception as e:  # noqa: BLE001 - a one-shot run records what failed and goes on
                 if not args.dry_run and session.profile:
                     import cupy
@@ -1038,7 +1051,7 @@ def record_counters(args, argv, deadline, say=print) -> dict:
             f"{kernels[0] if kernels else None}")
     entries = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
     rec = recorded(args.note)
-    rec["ncu"] = {"version": ncu_version(ncu), "metrics": metrics, "report": str(rep),
+    rec["ncu"] = {"version": ncu_version(ncu), "metrics": metrics, "report": str(rep) if args.report else None,
                   "command": " ".join(["ncu", *cmd[1:cmd.index(sys.executable)], "python3",
                                        "benchmarks/probes/ncu_counters.py", "--child", "..."]),
                   "defaults": "--replay-mode kernel, --cache-control all (caches flushed before every profiled "
