@@ -963,8 +963,12 @@ def usable_metrics(ncu, say=print, env=None):
     wanted = list(METRICS.values())
     required = [METRICS[r] for r in REQUIRED]
     while True:
-        trial = subprocess.run([ncu, "--csv", "--metrics", ",".join(wanted), sys.executable, "-c", TRIAL],
-                               capture_output=True, text=True, env=env)
+        try:
+            trial = subprocess.run([ncu, "--csv", "--metrics", ",".join(wanted), sys.executable, "-c", TRIAL],
+                                   capture_output=True, text=True, env=env, timeout=180)
+        except subprocess.TimeoutExpired:
+            say("ncu's trial of two kernels took over 3 minutes: giving up on the counters")
+            return None
         text = trial.stdout + trial.stderr
         errors = [line for line in text.splitlines() if "==ERROR==" in line]
         named = [m for m in wanted if any(m in line or _base(m) in line for line in errors)]
