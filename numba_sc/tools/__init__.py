@@ -14,6 +14,7 @@ For the lessons (the notebooks and the book):
     exercises   the notebooks' exercises: a checker each, against the stage's reference
     results     one source for every number: the recorded results, read and quoted
     tables      markdown tables made from the result files
+    counters    the hardware counters (Nsight Compute) and Figures 13-14 as recorded: tables, plots
     prose       every figure the prose quotes checked against its result file (numba-sc figures)
     book        every notebook executed and rendered, with docs/, as an HTML book
 """
