@@ -144,6 +144,7 @@ autosummary_context = {"reexports": REEXPORTS}
 
 
 SECTION_RULE = re.compile(r"^-{3,}\s*$")
+PARAMETER = re.compile(r"^\*{0,2}\w+(\s*,\s*\*{0,2}\w+)*(\s+:(\s.*)?)?$")  # "x", "a, b", "x : int"
 
 
 def _end_sections(app, what, name, obj, options, lines):
@@ -154,8 +155,8 @@ def _end_sections(app, what, name, obj, options, lines):
     reads on until two blank lines or the next section, and makes each line of that
     paragraph a parameter. A line at the left margin after a blank line, with the next
     line at the margin too, is a paragraph and not a parameter (a parameter's
-    description is indented): a second blank line is put before it. Runs before
-    napoleon (priority 400 < its 500)."""
+    description is indented), unless it reads as a parameter's line ("x : int"): a
+    second blank line is put before it. Runs before napoleon (priority 400 < its 500)."""
     in_section, i = False, 0
     while i < len(lines):
         line = lines[i]
@@ -165,7 +166,7 @@ def _end_sections(app, what, name, obj, options, lines):
         if in_section and not line.strip() and i + 2 < len(lines):
             first, second = lines[i + 1], lines[i + 2]
             if first.strip() and not first[0].isspace() and second.strip() and not second[0].isspace() \
-                    and not SECTION_RULE.match(second):
+                    and not SECTION_RULE.match(second) and not PARAMETER.match(first):
                 lines.insert(i + 1, "")
                 in_section = False
                 i += 1
