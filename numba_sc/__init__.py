@@ -1,7 +1,7 @@
 """numba-sc: the Minuet sparse-convolution engine as a readable Numba-CUDA reference.
 
 The folders follow the paper's pipeline (Figure 6); each stage is one module holding a
-docstring that teaches it, the NumPy reference and the CUDA kernels (Numba):
+docstring that teaches it, the NumPy reference and the CUDA kernels (Numba)::
 
     core/        backend selection and transfers, the launch path, conventions, SparseTensor
     coords/      1 voxelization, 2 output coordinates

@@ -5,7 +5,7 @@ check   compares each stage's kernel with its reference and locates the first mi
 ladder  runs each stage's kernels rung by rung (numba_sc.tools.ladder);
 train   fits MinkUNet42 to the labelled SemanticKITTI scan (numba_sc.train);
 figures checks every figure the prose quotes against its result file (numba_sc.tools.prose);
-book    executes every notebook and renders them, with docs/, as an HTML book (numba_sc.tools.book).
+book    builds the site with Sphinx: every notebook executed, docs/, the API reference (numba_sc.tools.book).
 
 Without a GPU the kernels run under Numba's CUDA simulator, on a crop of the cloud.
 """
@@ -76,7 +76,7 @@ EXAMPLES = """examples:
   numba-sc ladder gather --rung v2               one rung: code, diff, check, time, napkin math
   numba-sc train --steps 300 --out curve.json    fit MinkUNet42 to the labelled scan
   numba-sc train --data KITTI --split train --epochs 10 --eval valid --save run.npz --log run.json
-  numba-sc book                                  every notebook, run, as HTML pages in build/book
+  numba-sc book                                  the site (notebooks run, docs, API) in build/book
 """
 
 
@@ -207,13 +207,14 @@ def main(argv=None):
                  "numba-sc figures --update")
     fg.add_argument("--update", action="store_true",
                     help="rewrite stale figure links from their result files (after a benchmark ran again)")
-    bk = command("book", "execute every notebook and render them, with docs/, as an HTML book",
-                 "numba-sc book --out build/book --jobs 2 --only 05 06")
-    bk.add_argument("--out", default="build/book", help="the book's folder (default build/book)")
+    bk = command("book", "build the site with Sphinx: every notebook executed, in the paper's order, docs/ and "
+                         "the API reference, with search", "numba-sc book --out build/book --jobs 2 --only 05 06")
+    bk.add_argument("--out", default="build/book", help="the site's folder (default build/book)")
     bk.add_argument("--jobs", type=_at_least(1), default=None,
                     help="notebooks executed at once, each in its own kernel (default: one per core)")
     bk.add_argument("--only", nargs="+", metavar="NAME",
-                    help="rebuild only these notebooks (file name or number); other pages are kept")
+                    help="execute only these notebooks (file name or number); the others keep the outputs of "
+                         "an earlier build in --out")
     bk.add_argument("--no-execute", action="store_true",
                     help="render the notebooks as committed, without running them (no outputs)")
     args = parser.parse_args(argv)
@@ -267,6 +268,13 @@ def _run(args, argv):
             print(f"numba-sc book: no notebooks in {book_module.NOTEBOOK_DIR}: the book is built from a clone "
                   "of the repository (notebooks/, docs/), not from an installed package; run it in a clone",
                   file=sys.stderr)
+            return 2
+        import importlib.util
+
+        missing = [m for m in ("sphinx", "myst_nb", "jupyter_cache") if importlib.util.find_spec(m) is None]
+        if missing:
+            print(f"numba-sc book: {', '.join(missing)} not installed: the site is built with Sphinx and "
+                  "myst-nb; pip install -e '.[dev]'", file=sys.stderr)
             return 2
 
         return book(args.out, args.jobs, args.only, execute=not args.no_execute)

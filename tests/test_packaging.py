@@ -28,7 +28,8 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 DESCRIPTION = ROOT / PYPROJECT["project"]["readme"]["file"]
 # Made by tools or local to one machine (as .gitignore says): never source, never shipped.
 NOT_SOURCE = ("__pycache__", "*.pyc", "*.egg-info", ".venv", "build", "dist", ".git", ".pytest_cache",
-              ".hypothesis", ".ipynb_checkpoints", ".ab")
+              ".hypothesis", ".ipynb_checkpoints", ".ab",
+              "generated")  # docs/api/generated: the API pages' sources, written by Sphinx (autosummary)
 # The folders the sdist ships whole: the tests, and what the tests read besides the package.
 SHIPPED_FOLDERS = ("numba_sc", "tests", "docs", "notebooks", "benchmarks", "examples")
 

@@ -15,14 +15,14 @@ in two steps (paper Figure 6):
 2. **GMaS** (:func:`numba_sc.conv.dataflow.gather_gemm_scatter`), stages 7-11, one
    module each:
 
-   ============  ===============================================================
-   metadata      pairs per offset, the offset order, the groups, every pair's
-                 buffer row; the input and output tables
-   gather        input rows -> input buffer (Algorithm 1, tiled)
-   gemm_grouping one batched GEMM per group of offsets (sorted by pair count)
-   scatter       output buffer -> output rows (tiled, no atomics)
-   autotune      tile sizes per layer (Algorithm 2)
-   ============  ===============================================================
+   =============  ===============================================================
+   metadata       pairs per offset, the offset order, the groups, every pair's
+                  buffer row; the input and output tables
+   gather         input rows -> input buffer (Algorithm 1, tiled)
+   gemm_grouping  one batched GEMM per group of offsets (sorted by pair count)
+   scatter        output buffer -> output rows (tiled, no atomics)
+   autotune       tile sizes per layer (Algorithm 2)
+   =============  ===============================================================
 
    plus the submanifold centre, multiplied directly (``F @ W[centre]``) when
    the offset (0, 0, 0) maps every point to itself; or another dataflow

@@ -1,5 +1,7 @@
 """Networks: layers that hold their weights, the kernels between the convolutions, two models.
 
+Its modules::
+
     layers           SubMConv3d, SparseConv3d, SparseInverseConv3d, BatchNorm, ReLU, Linear,
                      Sequential, add, cat; maps kept on the tensors and reused
     tape             Tape: records each layer's backward step in the forward pass, plays them back

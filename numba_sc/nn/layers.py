@@ -5,16 +5,16 @@ one, a kernel map. A network is dozens of them, with BatchNorm and ReLU between,
 residual adds and U-Net skips, and maps that repeat wherever the coordinates
 do. This module packages that the way a user of spconv or TorchSparse expects:
 
-==========================  ===================================================
-:class:`SubMConv3d`         submanifold convolution: outputs on the input's coordinates
-:class:`SparseConv3d`       strided convolution: outputs on ``floor(P / s) * s``
-:class:`SparseInverseConv3d` transposed convolution: inverts a strided one, back
-                            onto the coordinates that one started from
-:class:`BatchNorm`          per-channel normalization (running statistics at
-                            inference; batch statistics when ``training``)
-:class:`ReLU`, :class:`Linear`, :class:`Identity`, :class:`Sequential`
-:func:`add`, :func:`cat`    residual add, concatenation (tensors on one coordinate set)
-==========================  ===================================================
+============================  ===================================================
+:class:`SubMConv3d`           submanifold convolution: outputs on the input's coordinates
+:class:`SparseConv3d`         strided convolution: outputs on ``floor(P / s) * s``
+:class:`SparseInverseConv3d`  transposed convolution: inverts a strided one, back
+                              onto the coordinates that one started from
+:class:`BatchNorm`            per-channel normalization (running statistics at
+                              inference; batch statistics when ``training``)
+:class:`ReLU`                 and :class:`Linear`, :class:`Identity`, :class:`Sequential`
+:func:`add`, :func:`cat`      residual add, concatenation (tensors on one coordinate set)
+============================  ===================================================
 
 **Maps without keys.** A kernel map depends on the coordinates and on the
 layer's kernel size, stride and dilation, nothing else. Every tensor carries

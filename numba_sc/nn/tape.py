@@ -8,7 +8,7 @@ gradients of the inputs (and adds its parameters' gradients to a dictionary).
 :meth:`Tape.backward` starts from the loss's gradient with respect to the
 network's output and walks the steps from the last to the first; an array that
 fed several layers (a residual shortcut, a U-Net skip) collects the sum of the
-gradients they send back, which is the chain rule for a variable used twice.
+gradients they send back, which is the chain rule for a variable used twice::
 
     model.train()
     with nn.Tape() as tape:

@@ -16,5 +16,5 @@ For the lessons (the notebooks and the book):
     tables      markdown tables made from the result files
     counters    the hardware counters (Nsight Compute) and Figures 13-14 as recorded: tables, plots
     prose       every figure the prose quotes checked against its result file (numba-sc figures)
-    book        every notebook executed and rendered, with docs/, as an HTML book
+    book        the site, built with Sphinx: every notebook executed, docs/, the API reference
 """

@@ -1,48 +1,46 @@
-"""``python -m numba_sc book``: every notebook, executed, as an HTML book a reader opens in a browser.
+"""``numba-sc book``: the project's site, built with Sphinx: the book (every notebook,
+executed, in the order of the paper), the pages of ``docs/`` and the API reference.
 
-The notebooks are committed without their outputs, so on GitHub or in a fresh checkout
-a reader sees no figure and no number. The book is what they look like once run:
+The notebooks are committed without their outputs, so on GitHub or in a fresh checkout a
+reader sees no figure and no number. The book is what they look like once run:
 
-1. every notebook in ``notebooks/`` is executed top to bottom in a fresh Jupyter kernel
-   (nbclient), with ``notebooks/`` as its working directory and this process's
-   environment, so without a GPU the kernels run under Numba's CUDA simulator exactly as
-   they do for a student who opens the notebook; up to ``jobs`` notebooks run at once,
-   each in its own kernel process;
-2. each executed notebook becomes a standalone HTML page (nbconvert's ``HTMLExporter``,
-   the JupyterLab look) with its outputs and its figures embedded in the page;
-3. links are rewritten for the book: ``05_gather_gemm_scatter.ipynb`` becomes
-   ``05_gather_gemm_scatter.html``, ``../docs/notation.md#bounds`` becomes
-   ``notation.html#bounds``, and a link to any other file of the repository points back
-   at that file from the book's folder;
-4. the pages of ``docs/*.md`` (the notation page first) are rendered the same way;
-5. ``index.html``, the contents, lists the notebooks in the order of the paper's
-   pipeline (:data:`PARTS`), each with its title (its first heading) and one line.
+1. the chapters are checked against ``notebooks/`` (:func:`chapters_in_order`);
+2. every notebook is executed top to bottom in a fresh Jupyter kernel (nbclient), with
+   ``notebooks/`` as its working directory and this process's environment, so without a
+   GPU the kernels run under Numba's CUDA simulator exactly as they do for a student who
+   opens the notebook; up to ``jobs`` notebooks run at once, each in its own kernel;
+   each executed notebook goes into a notebook cache (jupyter-cache) in the site's folder;
+3. Sphinx builds the site with ``docs/conf.py``, warnings as errors: myst-nb renders each
+   notebook with the outputs it finds in that cache (nothing runs twice), MyST reads
+   ``docs/*.md``, autodoc and autosummary write a page per module of ``numba_sc`` from
+   its docstrings, and every page gets the search box.
 
-Every page carries a small navigation bar: contents, previous page, next page, in the
-contents' order. The build prints, per notebook, the seconds it took, whether it ran
-clean and the first error, and it fails (``build_book`` reports it, the command exits
-1) when any notebook raised or left an ``error`` output; the page of such a notebook is
-still written, its outputs up to the error and the error itself shown in a red frame.
+The build prints, per notebook, the seconds it took, whether it ran clean and the first
+error, and fails (the command exits 1) when a notebook raised or left an ``error``
+output, or when Sphinx warned (a broken link, a docstring Sphinx cannot read). A failed
+notebook's page is still written, with its outputs up to the error and the error.
 
 The order of the book is :data:`PARTS`, the one place that says which notebook belongs
-to which part. A notebook in ``notebooks/`` that no part lists is an error (a new
-notebook cannot be left out of the book by accident); an entry whose notebook does not
-exist is an error too, unless the entry says ``planned=True``: a notebook announced
-and being written, skipped (and the skip printed) until it appears.
+to which part; ``docs/conf.py`` makes the contents page and the sidebar from it
+(:func:`contents_markdown`). A notebook in ``notebooks/`` that no part lists is an error
+(a new notebook cannot be left out of the book by accident); an entry whose notebook
+does not exist is an error too, unless the entry says ``planned=True``: a notebook
+announced and being written, skipped (and the skip printed) until it appears.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-import html
 import json
 import os
 import re
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Iterable, Sequence
-from urllib.parse import unquote
 
 from ..core.files import write_text
 
@@ -51,6 +49,7 @@ NOTEBOOK_DIR = ROOT / "notebooks"
 DOCS_DIR = ROOT / "docs"
 FIRST_DOC = "notation"  # the docs page the contents lists first, before the notebooks
 CELL_TIMEOUT_S = 600  # seconds a cell may run: far above the slowest simulator cell, so a hung kernel
+CACHE = ".jupyter_cache"  # the notebook cache, in the site's folder: the executed notebooks Sphinx renders
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,177 +171,40 @@ def select(chapters: Sequence[Chapter], only: Iterable[str] | None) -> list[Chap
         chosen.update(c.name for c in hits)
     return [c for c in chapters if c.name in chosen]
 
-
-# ----------------------------------------------------------------- titles and links
-HEADING = re.compile(r"^\s{0,3}#{1,6}\s+(.+?)\s*#*\s*$", re.M)
-
-
-def first_heading(markdown: str) -> str | None:
-    """The text of the first Markdown heading (``# Title``) in ``markdown``, or None."""
-    m = HEADING.search(markdown)
-    return m.group(1) if m else None
-
-
-def notebook_title(path: Path) -> str:
-    """A notebook's title: the first heading of its markdown cells (ValueError without one)."""
-    import nbformat
-
-    nb = nbformat.read(path, as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type == "markdown":
-            title = first_heading(cell.source)
-            if title:
-                return title
-    raise ValueError(f"{path.name} has no heading: start its first markdown cell with '# <title>', "
-                     "the title the book's contents show")
-
-
-def rewrite_link(target: str, source_dir: Path, pages: dict[Path, str], out_dir: Path) -> str:
-    """Where a link of a page whose source lies in ``source_dir`` points in the book.
-
-    ``pages`` maps the resolved path of every source the book renders (notebooks and
-    docs) to its page's file name. A link to one of them goes to its page, keeping the
-    ``#anchor``; a link to any other file of the repository goes to that file, seen from
-    ``out_dir``; web addresses, ``#anchors`` of the page itself, absolute paths and
-    ``data:`` images are left alone.
-    """
-    if not target or target.startswith(("#", "/", "data:", "mailto:", "javascript:")) or "://" in target:
-        return target
-    path, hash_, anchor = target.partition("#")
-    path, query, rest = path.partition("?")
-    resolved = (Path(source_dir) / unquote(path)).resolve()
-    page = pages.get(resolved)
-    if page is None:
-        page = Path(os.path.relpath(resolved, Path(out_dir).resolve())).as_posix() + query + rest
-    return page + hash_ + anchor
-
-
-LINK = re.compile(r"""\b(href|src)=(["'])(.*?)\2""")
-
-
-def rewrite_links(page_html: str, source_dir: Path, pages: dict[Path, str], out_dir: Path) -> str:
-    """``page_html`` with every ``href`` and ``src`` passed through :func:`rewrite_link`."""
-    def sub(m):
-        new = rewrite_link(html.unescape(m.group(3)), source_dir, pages, out_dir)
-        return f"{m.group(1)}={m.group(2)}{html.escape(new, quote=True)}{m.group(2)}"
-    return LINK.sub(sub, page_html)
-
-
-# ----------------------------------------------------------------- pages
-# The JupyterLab page of nbconvert, with the book's navigation bar at the top and the
-# bottom, and every error output in a frame of class "book-error" (so that a failed cell
-# shows, and a test can find it without guessing at the traceback's markup).
-TEMPLATE = """{%- extends 'index.html.j2' -%}
-{% block extra_css %}<style>
-.book-nav { display: flex; gap: 1.5em; justify-content: space-between; font: 14px sans-serif;
-            padding: 0.6em 1em; margin: 0 0 1em 0; background: #f3f4f6; border-radius: 4px; }
-.book-nav a { text-decoration: none; }
-.book-error { border-left: 4px solid #c62828; background: #fdecea; }
-.book-failed { font: 15px sans-serif; padding: 0.8em 1em; margin-bottom: 1em; background: #fdecea;
-               border-left: 4px solid #c62828; }
-main { max-width: 1100px; margin: 0 auto; }
-</style>{% endblock extra_css %}
-{%- block body_header -%}{{ super() }}{{ resources.book_top }}{%- endblock body_header -%}
-{% block body_footer %}{{ resources.book_bottom }}{{ super() }}{% endblock body_footer %}
-{% block error -%}<div class="book-error">{{ super() }}</div>{%- endblock error %}
-"""
-
-
-def _exporter():
-    from jinja2 import DictLoader
-    from nbconvert import HTMLExporter
-
-    return HTMLExporter(template_name="lab", extra_loaders=[DictLoader({"book.html.j2": TEMPLATE})],
-                        template_file="book.html.j2", embed_images=True)
-
-
-@dataclasses.dataclass
-class Page:
-    """One page of the book: its source (a notebook or a Markdown file), its file name
-    in the book and its title."""
-
-    source: Path
-    file: str
-    title: str
-
-
-def _nav(order: Sequence[Page], i: int | None) -> str:
-    """The navigation bar of page ``i`` of ``order`` (None: the contents page)."""
-    def link(page, text):
-        return f'<a href="{html.escape(page.file)}">{text}</a>'
-
-    if i is None:
-        prev_ = "<span></span>"
-        next_ = link(order[0], f"{html.escape(order[0].title)} &rarr;") if order else "<span></span>"
-    else:
-        prev_ = link(order[i - 1], f"&larr; {html.escape(order[i - 1].title)}") if i > 0 else \
-            '<a href="index.html">&larr; Contents</a>'
-        next_ = link(order[i + 1], f"{html.escape(order[i + 1].title)} &rarr;") if i + 1 < len(order) else \
-            "<span></span>"
-    return f'<nav class="book-nav">{prev_}<a href="index.html">Contents</a>{next_}</nav>'
-
-
-def _write_page(exporter, nb, title: str, out: Path, source_dir: Path, pages: dict[Path, str],
-                nav: str, banner: str = "") -> None:
-    """Render ``nb`` to ``out``: its links rewritten, then the navigation bar put in (its
-    links are the book's already, so it goes in after the rewriting, through two marks)."""
-    top, bottom = "<!--book-top-->", "<!--book-bottom-->"
-    body, _ = exporter.from_notebook_node(nb, resources={
-        "metadata": {"name": title, "path": str(source_dir)}, "book_top": top, "book_bottom": bottom})
-    body = rewrite_links(body, source_dir, pages, out.parent)
-    write_text(out, body.replace(top, nav + banner, 1).replace(bottom, nav, 1))
-
-
-def _markdown_notebook(text: str):
-    """A notebook of one markdown cell: how a Markdown file goes through the exporter."""
-    import nbformat
-
-    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(text)])
-
-
+# ----------------------------------------------------------------- the contents
 def _escape_md(text: str) -> str:
     """``text`` with Markdown's punctuation escaped, to be shown as it is."""
-    return re.sub(r"([\\`*_\[\]<>#|])", r"\\\1", text)
+    return re.sub(r"([\\`*_\[\]<>#|$])", r"\\\1", text)
 
 
-def _split_docs(docs: Sequence[Page]) -> tuple[list[Page], list[Page]]:
-    """The docs pages split into the one the contents put first (``FIRST_DOC``: the
-    notation every notebook links) and the others (the reference, after the notebooks)."""
-    return ([d for d in docs if d.source.stem == FIRST_DOC], [d for d in docs if d.source.stem != FIRST_DOC])
+def contents_markdown(parts: Sequence[Part], chapters: Sequence[Chapter], guides: Sequence[str]) -> str:
+    """The book's contents, in MyST Markdown, for docs/index.md (docs/conf.py puts it
+    there): the notation page, then each part of ``parts`` with its paper sections and
+    its chapters (each notebook's title, a link, and its one line), then the reference:
+    the ``guides`` (other pages of docs/, by name) and the API.
 
-
-def contents_markdown(parts: Sequence[Part], chapters: Sequence[Chapter], titles: dict[str, str],
-                      docs: Sequence[Page], built: set[str], how: str = "") -> str:
-    """The contents page, in Markdown: the first docs page, the parts with their
-    chapters (title, linked when its page was built, and its line), the other docs.
-    ``how`` says how the pages were made (date, machine)."""
+    ``chapters`` are the chapters that exist (:func:`chapters_in_order`); a part with
+    none is left out. Each list goes with a hidden toctree of the same pages, captioned
+    with the part's title: the order the sidebar, the previous and next links and the
+    search follow. A link with no text shows the page's title (its first heading)."""
     present = {c.name for c in chapters}
-    lines = ["# numba-sc: the book",
-             "",
-             "Minuet's sparse-convolution engine (EuroSys 2024) taught stage by stage, one notebook a "
-             "stage, in the order of the paper's pipeline. Each page is a notebook as it ran when "
-             "this book was built " + how + "; numbers measured on a GPU are read from the recorded "
-             "results in `benchmarks/results/`. Build it again with `numba-sc book`.",
-             ""]
-    first, rest = _split_docs(docs)
-    for d in first:
-        lines += [f"**[{_escape_md(d.title)}]({d.file})**: the symbols and terms every notebook uses.", ""]
+    lines = [f"**[](./{FIRST_DOC}.md)**: the symbols and terms every notebook uses.", "",
+             "```{toctree}", ":hidden:", "", FIRST_DOC, "```", ""]
     for part in parts:
-        chs = [c for c in part.chapters if c.name in present]
-        if not chs:
+        names = [c for c in part.chapters if c.name in present]
+        if not names:
             continue
         lines += [f"## {_escape_md(part.title)}", "", f"*{_escape_md(part.paper)}*", ""]
-        for c in chs:
-            title = _escape_md(titles[c.name])
-            shown = f"[{title}]({c.name}.html)" if c.name in built else f"{title} (not built yet)"
-            lines.append(f"- **{shown}**: {_escape_md(c.line)}")
-        lines.append("")
-    if rest:
-        lines += ["## Reference", ""] + [f"- [{_escape_md(d.title)}]({d.file})" for d in rest] + [""]
+        lines += [f"- **[](../notebooks/{c.name}.ipynb)**: {_escape_md(c.line)}" for c in names]
+        lines += ["", "```{toctree}", ":hidden:", f":caption: {part.title}", ""]
+        lines += [f"/notebooks/{c.name}" for c in names] + ["```", ""]
+    reference = [*guides, "api/index"]
+    lines += ["## Reference", ""] + [f"- [](./{name}.md)" for name in reference]
+    lines += ["", "```{toctree}", ":hidden:", ":caption: Reference", "", *reference, "```", ""]
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------- running
+# ----------------------------------------------------------------- running the notebooks
 @dataclasses.dataclass
 class NotebookRun:
     """How one notebook's execution went: seconds, and the first error (None: clean)."""
@@ -350,15 +212,12 @@ class NotebookRun:
     name: str
     seconds: float
     error: str | None = None
-    executed: bool = True
 
     @property
     def ok(self) -> bool:
         return self.error is None
 
     def line(self) -> str:
-        if not self.executed:
-            return f"  {self.name:<42} rendered, not executed"
         return f"  {self.name:<42} {'ok' if self.ok else 'FAILED':<6} {self.seconds:7.1f} s" + (
             "" if self.ok else f"   {self.error}")
 
@@ -388,7 +247,9 @@ async def _execute(paths: Sequence[Path], jobs: int, timeout: float, on_done) ->
             # The kernel's own log at ERROR: each would otherwise print ipykernel's warning
             # that it talks to this process over TCP on localhost (Jupyter's default too).
             # The notebook's warnings and errors are outputs, not log lines: they stay.
-            client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
+            # record_timing=False: no timestamps in the cells' metadata, which the cache's
+            # match of a notebook against its source would see as a change.
+            client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                                              extra_arguments=["--IPKernelApp.log_level=ERROR"],
                                              resources={"metadata": {"path": str(path.parent)}})
             t0 = time.perf_counter()
@@ -424,100 +285,150 @@ def default_jobs() -> int:
         return os.cpu_count() or 1
 
 
-# ----------------------------------------------------------------- the book
-def build_book(out_dir, notebooks: Iterable[str] | None = None, jobs: int | None = None, execute: bool = True,
-               timeout: float = CELL_TIMEOUT_S, *, parts: Sequence[Part] = PARTS,
-               notebook_dir: Path = NOTEBOOK_DIR, docs_dir: Path = DOCS_DIR,
-               report=print) -> list[NotebookRun]:
-    """Build the book in ``out_dir``; return one :class:`NotebookRun` per notebook run.
+def execute_notebooks(paths: Sequence[Path], cache_dir: Path, jobs: int, timeout: float = CELL_TIMEOUT_S,
+                      report=print) -> list[NotebookRun]:
+    """Execute the notebooks at ``paths``, ``jobs`` at a time, and put each executed
+    notebook in the jupyter-cache at ``cache_dir``, where myst-nb finds it (matched by
+    the notebook's code). Returns one :class:`NotebookRun` per notebook, in the order of
+    ``paths``; ``report`` receives a line as each finishes. A notebook that failed is
+    cached too, so that its page shows where it stopped (:func:`forget_failed` removes it
+    after the build: a later build must not show it as if it were new)."""
+    from jupyter_cache import get_cache
+    from jupyter_cache.base import CacheBundleIn
 
-    ``notebooks``: the names of the notebooks to (re)build (:func:`select`), all when
-    None; the contents and every navigation bar still cover the whole book, so pages
-    of an earlier build in ``out_dir`` stay linked. ``jobs``: notebooks executed at
-    once, default :func:`default_jobs`. ``execute=False`` renders the notebooks as
-    committed, without outputs (a quick look at the layout). ``timeout``: seconds
-    allowed to one cell. ``report`` receives the progress lines.
+    cache = get_cache(cache_dir)
+    runs: dict[Path, NotebookRun] = {}
 
-    The build succeeded when every returned run is ``ok``; a failed notebook's page
-    is written too, showing where it stopped.
-    """
+    def done(path, nb, seconds, error):
+        cache.cache_notebook_bundle(CacheBundleIn(nb, str(path), data={"execution_seconds": seconds}),
+                                    check_validity=False, overwrite=True)
+        runs[path] = NotebookRun(path.stem, seconds, error)
+        report(runs[path].line())
+
+    _run(_execute(paths, jobs, timeout, done))
+    return [runs[p] for p in paths]
+
+
+def forget_failed(paths: Sequence[Path], runs: Sequence[NotebookRun], cache_dir: Path) -> None:
+    """Remove the cached notebooks of the failed ``runs`` (of the notebooks at ``paths``)."""
+    from jupyter_cache import get_cache
+
+    cache = get_cache(cache_dir)
+    for path, run in zip(paths, runs):
+        if not run.ok:
+            with contextlib.suppress(KeyError):
+                cache.remove_cache(_cached(path, cache).pk)
+
+
+def _cached(path: Path, cache):
+    """The cache's record of the notebook at ``path`` (matched by its code), or KeyError."""
     import nbformat
 
-    if jobs is not None and (not isinstance(jobs, int) or jobs < 1):
+    return cache.match_cache_notebook(nbformat.read(path, as_version=4))
+
+
+def cached_names(chapters: Sequence[Chapter], cache_dir: Path, notebook_dir: Path = NOTEBOOK_DIR) -> set[str]:
+    """The names of the ``chapters`` whose notebook, as it is now, the cache holds."""
+    from jupyter_cache import get_cache
+
+    if not Path(cache_dir).is_dir():
+        return set()
+    cache, found = get_cache(cache_dir), set()
+    for c in chapters:
+        with contextlib.suppress(KeyError):
+            _cached(Path(notebook_dir) / f"{c.name}.ipynb", cache)
+            found.add(c.name)
+    return found
+
+
+# ----------------------------------------------------------------- the site
+NOT_RUN = "NUMBA_SC_BOOK_NOT_RUN"  # notebooks (paths, comma-separated) docs/conf.py renders without running
+
+
+def sphinx_build(out_dir: Path, mode: str, cache_dir: Path | None = None, not_run: Sequence[str] = ()) -> int:
+    """Run Sphinx on this checkout (source: its root; settings: docs/conf.py) into
+    ``out_dir``, warnings as errors, every page read again (``-E``: the notebooks'
+    outputs may have changed while their files did not), in a process of its own (the
+    API pages import every module, with torch mocked). ``mode`` is myst-nb's
+    ``nb_execution_mode``: "cache" (read from ``cache_dir``), "force" or "off";
+    ``not_run``: notebooks (by name) rendered as committed whatever the mode. Returns
+    Sphinx's exit status; its warnings go to this process's stderr."""
+    command = [sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", "-E", "-q",
+               "-c", str(DOCS_DIR), "-D", f"nb_execution_mode={mode}"]
+    if cache_dir is not None:
+        command += ["-D", f"nb_execution_cache_path={cache_dir}"]
+    env = dict(os.environ, **{NOT_RUN: ",".join(f"notebooks/{name}.ipynb" for name in not_run)})
+    return subprocess.run([*command, str(ROOT), str(out_dir)], env=env).returncode
+
+
+def build_book(out_dir, notebooks: Iterable[str] | None = None, jobs: int | None = None, execute: bool = True,
+               timeout: float = CELL_TIMEOUT_S, *, report=print) -> tuple[list[NotebookRun], int]:
+    """Build the site in ``out_dir``; return the notebooks' runs and Sphinx's exit status.
+
+    ``notebooks``: the names of the notebooks to execute (:func:`select`), all when
+    None; each of the others is rendered with the outputs an earlier build left in
+    ``out_dir``'s cache, or without outputs when there are none (it is said which).
+    ``jobs``: notebooks executed at once, default :func:`default_jobs`.
+    ``execute=False`` renders every notebook as committed, without outputs (a quick
+    look). ``timeout``: seconds allowed to one cell. ``report`` receives the progress
+    lines.
+
+    The build succeeded when every run is ``ok`` and Sphinx's status is 0.
+    """
+    if jobs is not None and (not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1):
         raise ValueError(f"jobs must be a whole number >= 1, got {jobs!r}")
     if not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds per cell, got {timeout!r}")
     jobs = jobs or default_jobs()
-    simulating = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"  # what the kernels inherit
-    notebook_dir, docs_dir = Path(notebook_dir).resolve(), Path(docs_dir).resolve()
-    out = Path(out_dir).resolve()
-    chapters = chapters_in_order(parts, notebook_dir, report)
+    chapters = chapters_in_order(report=report)
     todo = select(chapters, notebooks)
+    out = Path(out_dir).resolve()
+    cache_dir = out / CACHE
+    simulating = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"  # what the kernels inherit
     out.mkdir(parents=True, exist_ok=True)
 
-    # Every page of the book, in reading order: the notation, the notebooks, the other docs.
-    doc_paths = sorted(docs_dir.glob("*.md")) if docs_dir.is_dir() else []
-    docs = [Page(p, f"{p.stem}.html", first_heading(p.read_text(encoding="utf-8")) or p.stem) for p in doc_paths]
-    nb_pages = [Page(notebook_dir / f"{c.name}.ipynb", f"{c.name}.html",
-                     notebook_title(notebook_dir / f"{c.name}.ipynb")) for c in chapters]
-    first, rest = _split_docs(docs)
-    order = first + nb_pages + rest
-    index_of = {p.source: i for i, p in enumerate(order)}
-    pages = {p.source: p.file for p in order}
-    exporter = _exporter()
-
-    for d in docs:
-        _write_page(exporter, _markdown_notebook(d.source.read_text(encoding="utf-8")), d.title, out / d.file,
-                    d.source.parent, pages, _nav(order, index_of[d.source]))
-
     runs: list[NotebookRun] = []
-
-    def done(path, nb, seconds, error):
-        page = order[index_of[path]]
-        banner = "" if error is None else (
-            f'<div class="book-failed">This notebook stopped with an error while the book was built: '
-            f'{html.escape(error)}</div>')
-        _write_page(exporter, nb, page.title, out / page.file, notebook_dir, pages,
-                    _nav(order, index_of[path]), banner)
-        runs.append(NotebookRun(path.stem, seconds, error, execute))
-        report(runs[-1].line())
-
-    paths = [notebook_dir / f"{c.name}.ipynb" for c in todo]
+    paths = [NOTEBOOK_DIR / f"{c.name}.ipynb" for c in todo]
     if execute:
+        if notebooks is None and cache_dir.exists():
+            shutil.rmtree(cache_dir)  # all of them run again: no output of an older library is kept
         report(f"book: executing {len(paths)} notebook(s), {min(jobs, len(paths))} at a time"
                + (" (kernels under the CUDA simulator)" if simulating else ""))
-        _run(_execute(paths, jobs, timeout, done))
+        runs = execute_notebooks(paths, cache_dir, jobs, timeout, report)
+        others = [c for c in chapters if c not in todo]
+        kept = cached_names(others, cache_dir)
+        not_run = [c.name for c in others if c.name not in kept]
+        for c in others:
+            report(f"  {c.name:<42} " + ("kept: the outputs of an earlier build" if c.name in kept
+                                          else "not run: shown without outputs (no earlier build of it here)"))
+        report("book: building the site with Sphinx")
+        try:
+            status = sphinx_build(out, "cache", cache_dir, not_run)
+        finally:
+            forget_failed(paths, runs, cache_dir)
     else:
-        for p in paths:
-            done(p, nbformat.read(p, as_version=4), 0.0, None)
+        report("book: building the site with Sphinx, the notebooks as committed (no outputs)")
+        status = sphinx_build(out, "off")
 
-    runs.sort(key=lambda r: index_of[notebook_dir / f"{r.name}.ipynb"])
-    built = {c.name for c in chapters if (out / f"{c.name}.html").exists()}
-    titles = {c.name: order[index_of[notebook_dir / f"{c.name}.ipynb"]].title for c in chapters}
-    how = f"on {time.strftime('%Y-%m-%d')}" + (
-        " (rendered without running them: the pages have no outputs)" if not execute
-        else " (kernels under Numba's CUDA simulator, on crops of the scans)" if simulating
-        else " (kernels on the GPU)")
-    contents = _markdown_notebook(contents_markdown(parts, chapters, titles, docs, built, how))
-    _write_page(exporter, contents, "numba-sc: contents", out / "index.html", out, pages, _nav(order, None))
     write_text(out / "book.json", json.dumps({
-        "built": time.strftime("%Y-%m-%d %H:%M"), "executed": execute,
-        "simulator": simulating, "jobs": jobs,
-        "notebooks": [dataclasses.asdict(r) | {"ok": r.ok} for r in runs]}, indent=1))
-
+        "built": time.strftime("%Y-%m-%d %H:%M"), "executed": execute, "simulator": simulating, "jobs": jobs,
+        "sphinx_status": status, "notebooks": [dataclasses.asdict(r) | {"ok": r.ok} for r in runs]}, indent=1))
     failed = [r for r in runs if not r.ok]
     report("book: " + ("; ".join(f"{r.name} failed ({r.error})" for r in failed) if failed else
-                       f"{len(runs)} notebook(s) " + ("ran clean" if execute else "rendered without running")))
+                       f"{len(runs)} notebook(s) ran clean" if execute else "notebooks rendered without running"))
+    if status:
+        report(f"book: Sphinx failed (exit {status}): each warning above is an error")
     report(f"book: open {(out / 'index.html').as_uri()}")
-    return runs
+    return runs, status
 
 
 def main(out_dir: str, jobs: int | None, only: Sequence[str] | None, execute: bool = True) -> int:
-    """The ``book`` command: 0 when every notebook ran clean, 1 when one did not, 2 when
-    the book cannot be built as asked (a notebook outside the parts, an unknown name)."""
+    """The ``book`` command: 0 when every notebook ran clean and Sphinx built the site
+    without a warning, 1 when not, 2 when the book cannot be built as asked (a notebook
+    outside the parts, an unknown name)."""
     try:
-        runs = build_book(out_dir, only, jobs, execute)
+        runs, status = build_book(out_dir, only, jobs, execute)
     except ValueError as e:
         print(f"book: {e}", file=sys.stderr)
         return 2
-    return 0 if all(r.ok for r in runs) else 1
+    return 0 if status == 0 and all(r.ok for r in runs) else 1

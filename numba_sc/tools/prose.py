@@ -58,7 +58,7 @@ def render_table(name: str, call: str, results_dir=None) -> str:
 
 
 def prose_files(root=None):
-    """The prose this project publishes: README.md, docs/*.md, benchmarks/README.md and
+    """The prose this project publishes: README.md, ``docs/*.md``, benchmarks/README.md and
     the notebooks' markdown cells (of the checkout, or of ``root``)."""
     root = Path(root) if root is not None else results.ROOT
     files = [root / "README.md", root / "benchmarks" / "README.md", *sorted((root / "docs").glob("*.md"))]

@@ -1,6 +1,6 @@
 """Training: losses, optimizers, labels, the loop (the convolution's own gradient is the
 layer's, :mod:`numba_sc.conv.gradient`; the tape that plays each layer's backward step is
-:mod:`numba_sc.nn.tape`).
+:mod:`numba_sc.nn.tape`). Its modules::
 
     loss            cross-entropy and its gradient
     optim           SGD and AdamW, in place; learning-rate schedules

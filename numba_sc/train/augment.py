@@ -3,7 +3,7 @@
 A network trained on a few scans memorizes them: where the road is, which way
 the car points, how far the wall stands. Augmentation shows it the same scene
 moved in ways that keep every label true, so that what it learns is the shape
-of a car and not its position in one scan:
+of a car and not its position in one scan::
 
     rotate_z   turn the scene about the vertical axis through the sensor
     flip       mirror it left-right and/or front-back

@@ -52,13 +52,13 @@ or the network, never hand-written communication) and :class:`ThreadGroup`
 the environment variables that ``torchrun``, SLURM scripts and most cluster
 launchers set (:func:`placement_from_environment`):
 
-==============  =======================================================
-``WORLD_SIZE``  number of processes (GPUs) in the whole run
-``RANK``        this process's rank, ``0 .. WORLD_SIZE - 1``
-``LOCAL_RANK``  its GPU on this machine (default: ``RANK``)
-``MASTER_ADDR`` the address of rank 0's machine (default 127.0.0.1)
-``MASTER_PORT`` a free TCP port there (default 29500)
-==============  =======================================================
+===============  =======================================================
+``WORLD_SIZE``   number of processes (GPUs) in the whole run
+``RANK``         this process's rank, ``0 .. WORLD_SIZE - 1``
+``LOCAL_RANK``   its GPU on this machine (default: ``RANK``)
+``MASTER_ADDR``  the address of rank 0's machine (default 127.0.0.1)
+``MASTER_PORT``  a free TCP port there (default 29500)
+===============  =======================================================
 
 Rank 0 opens a small TCP store at ``MASTER_ADDR:MASTER_PORT`` through which
 the ranks exchange NCCL's unique id; NCCL then connects them itself. Only rank

@@ -4,7 +4,7 @@ Each notebook ends its sections with exercises. One looks like this in the noteb
 
 * a markdown cell ``### Exercise 4.1: <title>`` with the task, and below it a
   ``<details><summary>Solution</summary>`` block holding the solution as one
-  ```` ```python ```` block (closed by default: the student unfolds it);
+  fenced ``python`` code block (closed by default: the student unfolds it);
 * a code cell where the student writes the answer (a function, or a ``@cuda.jit``
   kernel), then checks it::
 
