@@ -331,7 +331,13 @@ def plot_map(r, which="query", ax=None, paper=None, level="l2"):
 def tiles_table(r) -> str:
     """Markdown: every gather and scatter of ``counters_gather_scatter.json``, per cloud, stage
     and dtype a row, the time in us of each tile (the fastest in bold) and, for the fastest,
-    the napkin bytes (what it must move at least) over its time as a share of peak."""
+    the napkin bytes over its time as a share of peak.
+
+    The probe's napkin bytes (``napkin_bytes``) count every point's features for the gather,
+    but the gather skips a point without a pair: on a sparse cloud (1M random voxels in
+    400^3, where most points have none) the napkin share overstates the traffic, and the
+    DRAM bandwidth Nsight Compute measured (:func:`plot_tiles`' lower panels) is the one
+    to read."""
     check_record(r, "tiles")
     groups = {}
     for x in r["rows"]:
