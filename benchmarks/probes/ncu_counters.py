@@ -702,7 +702,7 @@ def map_workloads(session, name, coords, how):
 def tile_workloads(session, name, coords, how, channels, dtypes):
     """The library's gather and scatter for every tile size, per dtype, on one cloud."""
     import numba_sc as ns
-    from numba_sc.core.backend import to_device
+    from numba_sc.core.backend import to_device, to_host
     from numba_sc.gmas.gather import divisors, gather_cuda  # divisors: the tiles Algorithm 2 tries
     from numba_sc.gmas.gemm_grouping import product_dtype
     from numba_sc.gmas.scatter import scatter_cuda
@@ -712,9 +712,14 @@ def tile_workloads(session, name, coords, how, channels, dtypes):
     km = ns.build_kernel_map(dev, 3, assume_sorted=True, masks=True)  # what a layer builds
     plan = ns.build_plan(km)
     written = int(sum(int(plan.counts[k]) for k in plan.order))  # buffer rows the gather writes
+    # The input rows the gather reads at least: the points with a pair at a buffered offset
+    # (on a sparse cloud most points have none outside the centre, and the gather skips them).
+    lists = plan.in_lists
+    masks, buffered = np.asarray(to_host(lists.masks)), np.asarray(to_host(lists.buffered))
+    read = int(np.any((masks & buffered[:, None]) != 0, axis=0).sum())
     n = len(coords)
     session.note("cloud", part="tiles", name=name, voxels=n, made=how, buffer_rows=int(plan.rows),
-                 written_rows=written, outputs=int(plan.n_out))
+                 written_rows=written, read_rows=read, outputs=int(plan.n_out))
     session.say(f"tiles {name}: {n:,} voxels, {written:,} buffer rows")
     rng = np.random.default_rng(0)
     for dtype in dtypes:
@@ -723,7 +728,7 @@ def tile_workloads(session, name, coords, how, channels, dtypes):
         pdt = np.dtype(product_dtype(dt))
         obuf = xp.zeros((plan.rows, channels), pdt)
         napkin = {  # the bytes each kernel must move at least (notebook 05): reads, then writes
-            "gather": n * channels * dt.itemsize + written * channels * dt.itemsize,
+            "gather": read * channels * dt.itemsize + written * channels * dt.itemsize,
             "scatter": written * channels * pdt.itemsize + plan.n_out * channels * dt.itemsize,
         }
         for tile in divisors(channels):
