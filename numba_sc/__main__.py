@@ -3,8 +3,8 @@
 demo    runs every stage on a scan and times the kernels beside the NumPy references;
 check   compares each stage's kernel with its reference and locates the first mismatch;
 ladder  runs each stage's kernels rung by rung (numba_sc.tools.ladder);
-train   trains MinkUNet42 (numba_sc.train): ``train overfit`` fits one labelled scan (a check
-        of the backward pass), ``train fit`` trains over a dataset's scans for some epochs;
+train   trains MinkUNet42 (numba_sc.train): "train overfit" fits one labelled scan (a check
+        of the backward pass), "train fit" trains over a dataset's scans for some epochs;
 figures checks every figure the prose quotes against its result file (numba_sc.tools.prose);
 book    builds the site with Sphinx: every notebook executed, docs/, the API reference (numba_sc.tools.book).
 

@@ -19,6 +19,7 @@ configures it; a program that shows the log while a bar is drawn sends it throug
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -66,6 +67,20 @@ def bar(iterable=None, total=None, desc=None, unit="it", leave=True, disable=Fal
                 disable=disable or not progress_enabled(stream), dynamic_ncols=True, **kwargs)
 
 
+@contextlib.contextmanager
+def prints_above_bars():
+    """While the block runs, what it prints on stdout is written above the bars (through
+    ``tqdm.write``) instead of into them; nothing changes where bars are off. For a
+    script that prints results as it goes inside a loop with a bar (the benchmarks)."""
+    if not progress_enabled():
+        yield
+        return
+    from tqdm.contrib import DummyTqdmFile
+
+    with contextlib.redirect_stdout(DummyTqdmFile(sys.stdout)):
+        yield
+
+
 class BarSafeHandler(logging.Handler):
     """A logging handler writing to stderr through ``tqdm.write``: a line logged while a
     bar is drawn appears above the bar instead of inside it."""
@@ -77,4 +92,4 @@ class BarSafeHandler(logging.Handler):
             self.handleError(record)
 
 
-__all__ = ["BarSafeHandler", "ENV", "bar", "progress_enabled", "set_progress"]
+__all__ = ["BarSafeHandler", "ENV", "bar", "prints_above_bars", "progress_enabled", "set_progress"]

@@ -171,3 +171,27 @@ def test_eval_table_against_a_result_made_by_hand():
     assert rows[1] == ["a", "0.750", "2", "4"] and rows[2] == ["b", "0.500", "1", "2"]
     assert not any(r[0] == "c" for r in rows)  # undefined IoU: left out
     assert rows[-1] == ["mIoU", "0.625"]
+
+
+def test_the_switches_of_the_bars(capsys, monkeypatch):
+    monkeypatch.delenv(progress.ENV, raising=False)
+    assert not progress.progress_enabled()  # a test's stderr is no terminal
+    for _ in progress.bar(range(3), desc="quiet"):
+        pass
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv(progress.ENV, "1")
+    with progress.prints_above_bars():
+        for i in progress.bar(range(3), desc="shown"):
+            print(f"row {i}")  # a script's result lines: on stdout, whole, not inside the bar
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["row 0", "row 1", "row 2"] and "shown" in err and "3/3" in err
+    progress.set_progress(False)  # the program's word over the environment's
+    try:
+        assert not progress.progress_enabled()
+    finally:
+        progress.set_progress(None)
+    monkeypatch.setenv(progress.ENV, "yes")
+    with pytest.raises(ValueError, match="NUMBA_SC_PROGRESS='yes': give 1"):
+        progress.progress_enabled()
+    with pytest.raises(ValueError, match="True, False or None"):
+        progress.set_progress("on")
