@@ -437,10 +437,18 @@ def main():
     args = ap.parse_args()
     data = find_data(args.data)
     out = {"runs": [], "reps": args.reps, "warmup": args.warmup, "block": args.block, "recorded": recorded(args.note)}
-    for cloud in args.clouds.split(","):
-        coords, feats = load_cloud(cloud, data)
-        for net in args.nets.split(","):
-            run_one(net, cloud, coords, feats, args.dtypes.split(","), args, out)
+    from numba_sc.core.progress import bar, prints_above_bars  # (after common put the checkout on sys.path)
+
+    clouds, nets = args.clouds.split(","), args.nets.split(",")
+    # A bar over the (cloud, network) runs, on stderr where bars are on (NUMBA_SC_PROGRESS=1 forces
+    # it): each run's lines still print as they come, above it; the JSON file is not touched by it.
+    with bar(total=len(clouds) * len(nets), unit="run") as progress, prints_above_bars():
+        for cloud in clouds:
+            coords, feats = load_cloud(cloud, data)
+            for net in nets:
+                progress.set_description(f"{net} on {cloud}")
+                run_one(net, cloud, coords, feats, args.dtypes.split(","), args, out)
+                progress.update(1)
     out["recorded"] = recorded(args.note)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"full results: {args.out}")

@@ -430,10 +430,17 @@ def main(argv=None):
     args = ap.parse_args(argv)
     data = find_data(args.data)
     out = {"recorded": recorded(args.note), "reps": args.reps, "warmup": args.warmup, "runs": []}
-    for cloud in args.clouds:
-        coords, feats = load_cloud(cloud, data)
-        for net in args.nets:
-            run_one(net, cloud, coords, feats, args, out)
+    from numba_sc.core.progress import bar, prints_above_bars  # (after common put the checkout on sys.path)
+
+    # A bar over the (cloud, network) runs, on stderr where bars are on (NUMBA_SC_PROGRESS=1 forces
+    # it): each run's lines still print as they come, above it; the JSON file is not touched by it.
+    with bar(total=len(args.clouds) * len(args.nets), unit="run") as progress, prints_above_bars():
+        for cloud in args.clouds:
+            coords, feats = load_cloud(cloud, data)
+            for net in args.nets:
+                progress.set_description(f"{net} on {cloud}")
+                run_one(net, cloud, coords, feats, args, out)
+                progress.update(1)
     out["recorded"] = recorded(args.note)  # again, now that the peers' versions are known
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"full results: {args.out}")

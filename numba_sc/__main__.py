@@ -3,17 +3,25 @@
 demo    runs every stage on a scan and times the kernels beside the NumPy references;
 check   compares each stage's kernel with its reference and locates the first mismatch;
 ladder  runs each stage's kernels rung by rung (numba_sc.tools.ladder);
-train   fits MinkUNet42 to the labelled SemanticKITTI scan (numba_sc.train);
+train   trains MinkUNet42 (numba_sc.train): "train overfit" fits one labelled scan (a check
+        of the backward pass), "train fit" trains over a dataset's scans for some epochs;
 figures checks every figure the prose quotes against its result file (numba_sc.tools.prose);
 book    builds the site with Sphinx: every notebook executed, docs/, the API reference (numba_sc.tools.book).
 
 Without a GPU the kernels run under Numba's CUDA simulator, on a crop of the cloud.
+
+What a command says while it works goes to stderr: progress bars with an ETA (on a
+terminal; numba_sc.core.progress) and log lines, fewer with -q, more with -v. Its output
+(tables, files) is what stdout holds.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
+import shlex
+import warnings
 import sys
 from pathlib import Path
 
@@ -74,8 +82,9 @@ EXAMPLES = """examples:
   numba-sc ladder --list                         every ladder's rungs, and what each adds
   numba-sc ladder gather scatter --dtypes float16
   numba-sc ladder gather --rung v2               one rung: code, diff, check, time, napkin math
-  numba-sc train --steps 300 --out curve.json    fit MinkUNet42 to the labelled scan
-  numba-sc train --data KITTI --split train --epochs 10 --eval valid --save run.npz --log run.json
+  numba-sc train overfit --steps 300 --out curve.json   fit MinkUNet42 to the labelled scan
+  numba-sc train fit --data KITTI --split train --epochs 10 --eval valid --save run.npz --log run.json
+  numba-sc -q train fit --data KITTI --epochs 1   ... only warnings, errors and the IoU tables
   numba-sc book                                  the site (notebooks run, docs, API) in build/book
 """
 
@@ -117,16 +126,133 @@ def _version():
     return __version__
 
 
+def _talk_options(parser, top=False):
+    """-q/-v and --progress/--no-progress: on the numba-sc command (``top``, with the
+    defaults) and again on each subcommand (without defaults, so that one given before
+    the subcommand is not undone), so they may stand before or after it."""
+    keep = {} if top else {"default": argparse.SUPPRESS}
+    talk = parser.add_mutually_exclusive_group()
+    talk.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const=-1,
+                      **(keep or {"default": 0}), help="only warnings and errors on stderr, and no progress bars")
+    talk.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=1,
+                      **(keep or {"default": 0}), help="debug lines too (e.g. every logged training step)")
+    bars = parser.add_mutually_exclusive_group()
+    bars.add_argument("--progress", dest="progress", action="store_const", const=True, **(keep or {"default": None}),
+                      help="draw progress bars on stderr even when it is not a terminal")
+    bars.add_argument("--no-progress", dest="progress", action="store_const", const=False, **keep,
+                      help="no progress bars (default: bars when stderr is a terminal; $NUMBA_SC_PROGRESS=1/0)")
+
+
+log = logging.getLogger("numba_sc.cli")  # (the command's own lines; __name__ is "__main__" when run with -m)
+
+_CLI_HANDLER = "numba-sc command line"  # the name of the handler main() adds (and takes away)
+
+
+def _configure_logging(verbosity):
+    """Show the library's loggers (``numba_sc.*``) on stderr at INFO, WARNING with -q,
+    DEBUG with -v, through a handler that keeps progress bars whole. Only the command
+    does this: library code never configures logging. Returns a function that undoes it."""
+    from .core.progress import BarSafeHandler
+
+    logger = logging.getLogger("numba_sc")
+    for h in [h for h in logger.handlers if h.get_name() == _CLI_HANDLER]:
+        logger.removeHandler(h)
+    handler = BarSafeHandler()
+    handler.set_name(_CLI_HANDLER)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s" if verbosity > 0 else
+                                           "%(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel({-1: logging.WARNING, 0: logging.INFO, 1: logging.DEBUG}[verbosity])
+
+    def undo():
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return undo
+
+
+_TOP_FLAGS = {"-q", "--quiet", "-v", "--verbose", "--progress", "--no-progress"}
+# The old spelling of train: options of one job that the other job ignored, dropped
+# (with a word) when the old spelling is rewritten; True: the option takes a value.
+_ONLY_OVERFIT = {"--steps": True, "--crop": True, "--out": True}
+_ONLY_FIT_IGNORED = {"--batch-size": True, "--workers": True, "--no-augment": False, "--amp": False}
+_ONLY_FIT_REFUSED = ("--save", "--log", "--resume", "--eval", "--sequences", "--split", "--gpus")
+
+
+def _new_train_spelling(argv):
+    """``argv`` with ``train``'s old spelling rewritten into the new one, and a message
+    saying so (None when ``argv`` is not the old spelling).
+
+    Old: ``train --steps N [--data FOLDER]`` fitted one scan; ``train --data ROOT
+    --epochs E`` trained over a dataset, so --data named a folder of one scan in the
+    first and a dataset in the second. New: ``train overfit --scan FILE`` and ``train
+    fit --data ROOT``. The old spelling keeps working for one release: ``--epochs``
+    makes it ``fit``, its absence ``overfit`` (whose hidden --data keeps the old
+    meaning). Options the old spelling ignored in a mode are left out (and said);
+    the ones it refused there are refused as before."""
+    i = 0
+    while i < len(argv) and argv[i] in _TOP_FLAGS:
+        i += 1
+    if i >= len(argv) or argv[i] != "train":
+        return argv, None
+    rest = argv[i + 1:]
+    if rest and rest[0] in ("fit", "overfit", "-h", "--help"):
+        return argv, None
+    names = [a.split("=", 1)[0] for a in rest if a.startswith("--")]
+    if "--epochs" in names:
+        job, drop = "fit", _ONLY_OVERFIT
+    else:
+        refused = [o for o in _ONLY_FIT_REFUSED if o in names]
+        if refused:  # (they would be ignored: one scan's fit writes only --out)
+            raise UserMistake(f"{', '.join(refused)}: only for training on a dataset: add --epochs E (and --data "
+                              "ROOT), or leave them out (new spelling: numba-sc train fit --data ROOT --epochs E)")
+        job, drop = "overfit", _ONLY_FIT_IGNORED
+    kept, dropped, k = [], [], 0
+    while k < len(rest):
+        name = rest[k].split("=", 1)[0]
+        if name in drop:
+            takes_value = drop[name] and "=" not in rest[k]
+            dropped.append(" ".join(rest[k:k + 1 + takes_value]))
+            k += 1 + takes_value
+            continue
+        kept.append(rest[k])
+        k += 1
+    shown = list(kept)
+    if job == "overfit" and "--data" in shown[:-1]:  # the new spelling names the scan itself
+        j = shown.index("--data")
+        shown[j:j + 2] = ["--scan", str(Path(shown[j + 1]) / "semantickitti_000000.bin")]
+    old = " ".join(["numba-sc train", *map(shlex.quote, rest)])
+    new = " ".join(["numba-sc train", job, *map(shlex.quote, shown)])
+    message = (f"'{old}' is the old spelling of '{new}' (deprecated: it works in this release and goes in the next; "
+               "use the new one)" + (f"; left out, as the old spelling ignored them: {', '.join(dropped)}"
+                                     if dropped else ""))
+    return argv[:i + 1] + [job] + kept, message
+
+
+def _say_deprecated(message, from_shell):
+    """The old spelling's message: one line on stderr from the shell (where a Python
+    warning would print a file and a line number), a FutureWarning to a program that
+    calls :func:`main` (which it can filter or turn into an error)."""
+    if from_shell:
+        log.warning("numba-sc: %s", message)
+    else:
+        warnings.warn(message, FutureWarning, stacklevel=3)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="numba-sc", description=__doc__, epilog=EXAMPLES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"numba-sc {_version()}")
+    _talk_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,check,ladder,train,figures,book}")
     cols, crop = _at_least(3), _at_least(1)
 
     def command(name, help_, example):
-        return sub.add_parser(name, help=help_, description=help_, epilog=f"example:\n  {example}",
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(name, help=help_, description=help_, epilog=f"example:\n  {example}",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        if name != "train":  # (train's options are on its two jobs)
+            _talk_options(p)
+        return p
 
     d = command("demo", "run every stage on a scan, kernels against references",
                 "numba-sc demo --points scan.bin --columns 4 --crop 1000")
@@ -172,37 +298,59 @@ def main(argv=None):
     one.add_argument("--kernel", metavar="NAME",
                      help="with --break: the kernel of the stage's module to stop in (default: the rung's own; "
                           "for a rung that is a host function, the first kernel it launches)")
-    tr = command("train", "fit MinkUNet42 to the labelled SemanticKITTI scan (an overfitting check)",
-                 "numba-sc train --steps 100 --crop 2000 --out curve.json")
-    tr.add_argument("--data", help="folder with semantickitti_000000.bin/.label (default $NUMBA_SC_DATA or "
-                                   "../shared/data)")
-    tr.add_argument("--steps", type=_at_least(1), default=300, help="training steps (default 300)")
-    tr.add_argument("--lr", type=_positive_float, default=2e-3, help="AdamW's peak learning rate (cosine schedule)")
-    tr.add_argument("--width", type=_positive_float, default=1.0,
-                    help="MinkUNet42 channel multiplier (default 1.0)")
-    tr.add_argument("--crop", type=crop, default=None,
+    tr = command("train", "train MinkUNet42 on labelled scans: overfit one scan, or fit a dataset",
+                 "numba-sc train fit --data KITTI --split train --epochs 10 --eval valid")
+    _talk_options(tr)
+    jobs = tr.add_subparsers(dest="job", required=True, metavar="{overfit,fit}")
+
+    def job(name, help_, example):
+        p = jobs.add_parser(name, help=help_, description=help_, epilog=f"example:\n  {example}",
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        _talk_options(p)
+        return p
+
+    ov = job("overfit", "fit MinkUNet42 to one labelled scan: a check of the backward pass, not a training recipe",
+             "numba-sc train overfit --steps 100 --crop 2000 --out curve.json")
+    ov.add_argument("--scan", metavar="FILE.bin",
+                    help="a KITTI-style scan (float32 x, y, z, remission) with its SemanticKITTI labels beside it "
+                         "(FILE.label) (default: semantickitti_000000.bin in $NUMBA_SC_DATA or ../shared/data)")
+    ov.add_argument("--labels", metavar="FILE.label", help="the scan's labels, when not beside it as FILE.label")
+    ov.add_argument("--data", help=argparse.SUPPRESS)  # the old spelling's folder of the scan (deprecated)
+    ov.add_argument("--steps", type=_at_least(1), default=300, help="training steps (default 300)")
+    ov.add_argument("--crop", type=crop, default=None,
                     help="train on this many points around one point (default: the whole scan on a GPU, "
                          "600 points without one)")
-    tr.add_argument("--log-every", type=_at_least(1), default=10, help="print every this many steps (default 10)")
-    tr.add_argument("--seed", type=_at_least(0), default=0)
-    tr.add_argument("--out", help="write the loss and score curve as JSON (with device, date and command)")
-    ds = tr.add_argument_group("training on a dataset (with --epochs; --data is then the dataset's root)")
-    ds.add_argument("--epochs", type=_at_least(1), help="train over the scans of --data for this many epochs")
-    ds.add_argument("--sequences", nargs="+", help="SemanticKITTI sequences to train on, e.g. 00 01 (default: all)")
-    ds.add_argument("--split", choices=("train", "valid"), help="SemanticKITTI's standard split to train on")
-    ds.add_argument("--batch-size", type=_at_least(1), default=2, help="scans per batch (default 2)")
-    ds.add_argument("--workers", type=_at_least(0), default=2, help="threads preparing batches (default 2)")
-    ds.add_argument("--no-augment", action="store_true", help="no rotation, flips, scaling or jitter")
-    ds.add_argument("--save", help="checkpoint written after every epoch (.npz)")
-    ds.add_argument("--resume", help="checkpoint of a stopped run to continue (the same settings, --epochs included)")
-    ds.add_argument("--eval", dest="eval_data",
-                    help="held-out scans scored after every epoch: a folder, or 'valid' (sequence 08 of --data)")
-    ds.add_argument("--log", help="the run's history as JSON, and a plot of it beside (.png)")
-    ds.add_argument("--amp", action="store_true",
+    ov.add_argument("--log-every", type=_at_least(1), default=10,
+                    help="score and log every this many steps (default 10)")
+    ov.add_argument("--out", help="write the loss and score curve as JSON (with device, date and command)")
+    ft = job("fit", "train MinkUNet42 over the scans of a dataset for some epochs, scoring held-out scans",
+             "numba-sc train fit --data KITTI --split train --epochs 10 --batch-size 4 --eval valid --save run.npz")
+    ft.add_argument("--data", metavar="ROOT",
+                    help="the dataset: a SemanticKITTI folder (ROOT/sequences/NN/velodyne, labels) or a folder of "
+                         "name.bin / name.label pairs")
+    ft.add_argument("--epochs", type=_at_least(1), required=True, help="passes over the scans of --data")
+    ft.add_argument("--sequences", nargs="+", help="SemanticKITTI sequences to train on, e.g. 00 01 (default: all)")
+    ft.add_argument("--split", choices=("train", "valid"), help="SemanticKITTI's standard split to train on")
+    ft.add_argument("--batch-size", type=_at_least(1), default=2, help="scans per batch (default 2)")
+    ft.add_argument("--workers", type=_at_least(0), default=2, help="threads preparing batches (default 2)")
+    ft.add_argument("--no-augment", action="store_true", help="no rotation, flips, scaling or jitter")
+    ft.add_argument("--save", help="checkpoint written after every epoch (.npz)")
+    ft.add_argument("--resume", help="checkpoint of a stopped run to continue (the same settings, --epochs included)")
+    ft.add_argument("--eval", dest="eval_data",
+                    help="held-out scans scored after every epoch (a per-class IoU table on stdout): a folder, or "
+                         "'valid' (sequence 08 of --data)")
+    ft.add_argument("--log", help="the run's history as JSON, and a plot of it beside (.png)")
+    ft.add_argument("--log-every", type=_at_least(1), default=10,
+                    help="a debug line (-v) every this many batches (default 10)")
+    ft.add_argument("--amp", action="store_true",
                     help="mixed precision: float16 compute, float32 master weights, dynamic loss scaling")
-    ds.add_argument("--gpus", type=_at_least(1), default=None,
+    ft.add_argument("--gpus", type=_at_least(1), default=None,
                     help="data-parallel over this many GPUs of this machine, one process each (--batch-size is "
                          "the global batch); several machines: see numba_sc.train.parallel")
+    for p in (ov, ft):
+        p.add_argument("--lr", type=_positive_float, default=2e-3, help="AdamW's peak learning rate (cosine schedule)")
+        p.add_argument("--width", type=_positive_float, default=1.0, help="MinkUNet42 channel multiplier (default 1.0)")
+        p.add_argument("--seed", type=_at_least(0), default=0)
     fg = command("figures", "check every performance figure quoted in the prose against benchmarks/results/",
                  "numba-sc figures --update")
     fg.add_argument("--update", action="store_true",
@@ -217,17 +365,31 @@ def main(argv=None):
                          "an earlier build in --out")
     bk.add_argument("--no-execute", action="store_true",
                     help="render the notebooks as committed, without running them (no outputs)")
-    args = parser.parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    try:
+        given, deprecated = _new_train_spelling(given)
+    except UserMistake as e:
+        print(f"numba-sc train: {e}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(given)
 
     if argv is None:
         _ensure_kernels_can_run()
+    from .core.progress import set_progress
     from .train.labels import DataError
 
+    undo = _configure_logging(args.verbosity)
+    set_progress(args.progress if args.progress is not None else (False if args.verbosity < 0 else None))
     try:
-        return _run(args, argv)
+        if deprecated:
+            _say_deprecated(deprecated, argv is None)
+        return _run(args, given)
     except (UserMistake, DataError) as e:
         print(f"numba-sc {args.command}: {e}", file=sys.stderr)
         return 2
+    finally:
+        undo()
+        set_progress(None)
 
 
 def _run(args, argv):
@@ -257,9 +419,9 @@ def _run(args, argv):
         return _figures(args)
     if args.command == "train":
         for option in ("out", "save", "log"):  # before any work: a run must not be lost to a typo here
-            if getattr(args, option):
+            if getattr(args, option, None):
                 _output_file(getattr(args, option), f"--{option}")
-        return _train_dataset(args, sys.argv[1:] if argv is None else argv) if args.epochs else _train(args)
+        return _train_dataset(args, argv) if args.job == "fit" else _train(args)
     if args.command == "book":
         from .tools import book as book_module
         from .tools.book import main as book
@@ -325,7 +487,7 @@ def _data_folder(filenames, explicit=None):
 
 
 def _train_dataset(args, argv):
-    """``train --epochs E``: a run over a dataset (numba_sc.train.run); with ``--gpus N``
+    """``train fit --data ROOT --epochs E``: a run over a dataset (numba_sc.train.run); with ``--gpus N``
     (and no WORLD_SIZE in the environment) the launcher of N such runs, one per GPU,
     which find their rank in the environment (numba_sc.train.parallel)."""
     from .core.device import gpu_present, simulating
@@ -335,8 +497,8 @@ def _train_dataset(args, argv):
     from .train.trainer import Trainer
 
     if not args.data:
-        raise UserMistake("--epochs needs --data ROOT: a SemanticKITTI dataset folder or a folder of "
-                          ".bin/.label pairs")
+        raise UserMistake("--data ROOT is needed: a SemanticKITTI dataset folder or a folder of .bin/.label pairs "
+                          "(to fit one scan: numba-sc train overfit --scan FILE)")
     with _checking():
         scans = data.ScanFolder(args.data, sequences=args.sequences, split=args.split)
         held = None
@@ -397,11 +559,11 @@ def _train_dataset(args, argv):
     if checkpoint is not None:
         start, history, _ = tr.resume(checkpoint, model, opt, trainer)
         if main_rank:
-            print(f"resumed from {args.resume}: {start} epoch(s) done")
+            log.info("resumed from %s: %d epoch(s) done", args.resume, start)
     if main_rank:
-        print(f"data: {scans.root.resolve()}")
-        print(f"MinkUNet42 (width {args.width}) on {len(scans)} scans ({scans.layout}), batches of {args.batch_size}"
-              f"{f' over {comm.size} GPUs' if comm.size > 1 else ''}, epochs {start}..{args.epochs - 1}, "
+        log.info("data: %s", scans.root.resolve())
+        log.info(f"MinkUNet42 (width {args.width}) on {len(scans)} scans ({scans.layout}), batches of {args.batch_size}"
+              f"{f' over {comm.size} GPUs' if comm.size > 1 else ''}, epochs {start + 1}..{args.epochs}, "
               f"backend {backend}{', mixed precision' if args.amp else ''}")
     history = tr.fit_dataset(model, opt, loader, args.epochs,
                              schedule=lambda s: optim.cosine_lr(s, total, args.lr, warmup=min(10, total)),
@@ -432,7 +594,32 @@ def _same_settings(checkpoint, settings, path):
                           f"with the same ones{hint}")
 
 
+def _overfit_scan(args):
+    """``train overfit``'s scan and labels (two Paths): ``--scan`` (its labels beside it, or
+    ``--labels``), the old spelling's ``--data FOLDER``, or the shared SemanticKITTI scan."""
+    scan_files = ("semantickitti_000000.bin", "semantickitti_000000.label")
+    if args.scan and args.data:
+        raise UserMistake("--data FOLDER is the old spelling of --scan FOLDER/semantickitti_000000.bin: give --scan")
+    if args.scan:
+        scan = Path(args.scan)
+        if not scan.is_file():
+            raise UserMistake(f"--scan {args.scan}: no such file" + (" (it is a folder: give the .bin in it)"
+                                                                     if scan.is_dir() else ""))
+    else:
+        folder = _data_folder(scan_files, args.data)
+        if folder is None:
+            raise UserMistake(f"{' and '.join(scan_files)} not found in $NUMBA_SC_DATA, ../shared/data or "
+                              "../../shared/data: give --scan FILE.bin")
+        scan = folder / scan_files[0]
+    label_file = Path(args.labels) if args.labels else scan.with_suffix(".label")
+    if not label_file.is_file():
+        raise UserMistake(f"--labels {args.labels}: no such file" if args.labels else
+                          f"--scan {scan}: no labels beside it ({label_file.name}); give --labels FILE.label")
+    return scan, label_file
+
+
 def _train(args):
+    """``train overfit``: MinkUNet42 fitted to one labelled scan (numba_sc.train.loop.fit_scan)."""
     import json
     import time
 
@@ -445,27 +632,17 @@ def _train(args):
     from .core.device import gpu_present, simulating
     from .tools.check import crop_points
 
-    dataset_only = [f"--{o.replace('_', '-')}" for o in ("save", "log", "resume", "eval_data", "sequences", "split",
-                                                          "gpus") if getattr(args, o)]
-    if dataset_only:  # (they would be ignored: this mode trains on one scan and writes only --out)
-        raise UserMistake(f"{', '.join(dataset_only).replace('--eval-data', '--eval')}: only for training on a "
-                          "dataset: add --epochs E (and --data ROOT), or leave them out")
-    scan_files = ("semantickitti_000000.bin", "semantickitti_000000.label")
-    folder = _data_folder(scan_files, args.data)
-    if folder is None:
-        raise UserMistake(f"{' and '.join(scan_files)} not found in $NUMBA_SC_DATA, ../shared/data or "
-                          "../../shared/data: pass --data FOLDER")
     with _checking():
-        scan = folder / "semantickitti_000000.bin"
+        scan, label_file = _overfit_scan(args)
         if scan.stat().st_size % 16:
             raise ValueError(f"{scan} has {scan.stat().st_size} bytes, not whole points of 16 (x, y, z, remission "
                              "as float32)")
         points = np.fromfile(scan, np.float32).reshape(-1, 4)
-        raw = labels.load_semantickitti_labels(folder / "semantickitti_000000.label")
-    print(f"data: {scan.resolve()}")
+        raw = labels.load_semantickitti_labels(label_file)
+    log.info("data: %s", scan.resolve())
     if len(raw) != len(points):
-        raise UserMistake(f"{folder}: semantickitti_000000.label has {len(raw):,} labels but the .bin has "
-                          f"{len(points):,} points; they must be a scan and its own labels, one label per point")
+        raise UserMistake(f"{label_file} has {len(raw):,} labels but the .bin has {len(points):,} points; they must "
+                          "be a scan and its own labels, one label per point")
     on_gpu = gpu_present() and not simulating()
     crop = args.crop if args.crop is not None else (None if on_gpu else 600)
     if crop:
@@ -481,7 +658,7 @@ def _train(args):
     if on_gpu:
         model.cuda()
     opt = optim.AdamW(model.trainable_parameters(), lr=args.lr, weight_decay=0.0)
-    print(f"MinkUNet42 (width {args.width}) on {len(points):,} points, {len(x):,} voxels, "
+    log.info(f"MinkUNet42 (width {args.width}) on {len(points):,} points, {len(x):,} voxels, "
           f"{args.steps} steps of AdamW, backend {backend}")
     history = train.fit_scan(model, opt, x, target, inverse, point_target, args.steps, backend,
                              schedule=lambda s: optim.cosine_lr(s, args.steps, args.lr, warmup=min(10, args.steps)),
@@ -496,6 +673,7 @@ def _train(args):
         from .core.files import write_text
 
         write_text(args.out, json.dumps(rec, indent=1), name="--out")
+        log.info("wrote %s", args.out)
     return 0
 
 

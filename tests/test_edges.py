@@ -278,7 +278,7 @@ def test_command_line_version_and_help_are_plain_text(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     text = capsys.readouterr().out
-    assert "``" not in text and ":mod:" not in text and "numba-sc train --steps 300" in text
+    assert "``" not in text and ":mod:" not in text and "numba-sc train overfit --steps 300" in text
     for command in ("demo", "check", "ladder", "train"):
         with pytest.raises(SystemExit):
             main([command, "--help"])

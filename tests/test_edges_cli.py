@@ -143,7 +143,8 @@ CLI_CASES = [
 @pytest.mark.parametrize("argv,words", [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
 def test_cli_edge(argv, words, d, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)  # where ../shared/data exists: an explicit --data must not fall back on it
-    assert main([a.replace("{d}", str(d)) for a in argv]) == 2
+    # -q: a run's log lines (stderr, at INFO) left out, so that stderr holds the refusal alone
+    assert main(["-q", *(a.replace("{d}", str(d)) for a in argv)]) == 2
     out, err = capsys.readouterr()
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert re.search(words, err), err
@@ -158,15 +159,15 @@ def test_resume_compares_the_resolved_data_folder(d, capsys, monkeypatch):
         ckpt, log = d / f"resumed{len(given)}.npz", d / f"resumed{len(given)}.json"
         ckpt.write_bytes((d / "run.npz").read_bytes())
         assert main(["train", "--data", given, *DS[2:], "--resume", str(ckpt), "--log", str(log)]) == 0
-        out = capsys.readouterr().out
-        assert "resumed from" in out and f"data: {d / 'ds'}" in out
+        err = capsys.readouterr().err  # (what a run says goes to stderr, through logging)
+        assert "resumed from" in err and f"data: {d / 'ds'}" in err
         assert [h["epoch"] for h in json.loads(log.read_text())] == [0, 1]
 
 
 def test_train_prints_the_folder_it_used(d, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert main(["train", "--data", str(d / "one"), *ONE]) == 0
-    assert f"data: {d / 'one' / KITTI_BIN}" in capsys.readouterr().out
+    assert f"data: {d / 'one' / KITTI_BIN}" in capsys.readouterr().err
 
 
 def test_a_real_bug_keeps_its_traceback(d, capsys, monkeypatch):

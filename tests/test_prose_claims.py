@@ -316,7 +316,7 @@ def test_what_auto_picks(monkeypatch, fresh_state):
 # -- the fit on one scan: one run quoted everywhere (README, notebook 09) -------------------
 
 def test_the_readme_and_notebook_09_quote_one_fit_run():
-    claim(README, "`numba-sc train --steps 200 --out curve.json`",
+    claim(README, "`numba-sc train overfit --steps 200 --out curve.json`",
           "The run quoted here and plotted in notebook 09 is `benchmarks/results/train_kitti.json` "
           "(`--steps 200` on an H100, 2026-11-24)")
     claim("notebooks/09_training.ipynb", "The run in this file is the one the README quotes: "

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..core.files import write_text
+from ..core.progress import bar
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -290,7 +291,9 @@ def execute_notebooks(paths: Sequence[Path], cache_dir: Path, jobs: int, timeout
     """Execute the notebooks at ``paths``, ``jobs`` at a time, and put each executed
     notebook in the jupyter-cache at ``cache_dir``, where myst-nb finds it (matched by
     the notebook's code). Returns one :class:`NotebookRun` per notebook, in the order of
-    ``paths``; ``report`` receives a line as each finishes. A notebook that failed is
+    ``paths``; ``report`` receives a line as each finishes, and a progress bar over the
+    notebooks done (with an ETA) is drawn on stderr where bars are on
+    (:mod:`numba_sc.core.progress`: a terminal, or ``--progress``). A notebook that failed is
     cached too, so that its page shows where it stopped (:func:`forget_failed` removes it
     after the build: a later build must not show it as if it were new)."""
     from jupyter_cache import get_cache
@@ -303,9 +306,12 @@ def execute_notebooks(paths: Sequence[Path], cache_dir: Path, jobs: int, timeout
         cache.cache_notebook_bundle(CacheBundleIn(nb, str(path), data={"execution_seconds": seconds}),
                                     check_validity=False, overwrite=True)
         runs[path] = NotebookRun(path.stem, seconds, error)
+        progress.clear()  # (the line on stdout, the bar on stderr: on one terminal, lift the bar first)
         report(runs[path].line())
+        progress.update(1)
 
-    _run(_execute(paths, jobs, timeout, done))
+    with bar(total=len(paths), desc="notebooks run", unit="notebook") as progress:
+        _run(_execute(paths, jobs, timeout, done))
     return [runs[p] for p in paths]
 
 

@@ -40,7 +40,7 @@ What stays float32: the loss and its gradient are computed from the float16
 logits widened to float32 (:func:`numba_sc.train.loss.cross_entropy`), scaled
 there, and only then rounded to float16 for the backward pass; BatchNorm's
 statistics; the optimizer's state. The step that uses all of this is
-:class:`numba_sc.train.trainer.Trainer` (``amp=True``; ``numba-sc train --amp``).
+:class:`numba_sc.train.trainer.Trainer` (``amp=True``; ``numba-sc train fit --amp``).
 
 **Checkpoints** hold the full-precision model (:meth:`MasterWeights.state_dict`:
 the masters under the model's own parameter names, so the file loads into a

@@ -22,6 +22,7 @@ the scores are on the points, each taking its voxel's prediction.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -29,11 +30,14 @@ import numpy as np
 from . import labels as lb
 from ..nn.tape import Tape
 from ..core.device import gpu_present, simulating
+from ..core.progress import bar
 from ..core.backend import resolve_backend, to_device, to_host
 from ..core.conventions import check_finite_points, whole_number
 from .loss import cross_entropy
 from ..core.tensor import SparseTensor
 from ..coords.voxelization import voxelize
+
+log = logging.getLogger(__name__)
 
 
 def train_step(model, x, target, optimizer, backend=None, weight=None):
@@ -139,22 +143,28 @@ def iou_table(results: dict, classes=None) -> str:
 
 
 def fit_scan(model, optimizer, x, target, inverse, point_target, steps, backend=None, schedule=None,
-             log_every=10, print_=print):
+             log_every=10):
     """Train ``model`` on one scan for ``steps`` steps; returns the history: one dict
     per logged step with the loss, the point accuracy and mIoU (at inference), and
-    the seconds since the start. ``schedule(step) -> lr``, optional."""
+    the seconds since the start. ``schedule(step) -> lr``, optional.
+
+    A progress bar over the steps (ETA, last loss) is drawn on stderr where bars are
+    on (:mod:`numba_sc.core.progress`); each logged step's line goes to this module's
+    logger at INFO (``numba-sc train overfit`` shows it; ``-q`` hides it)."""
     steps, log_every = whole_number(steps, "steps", 1), whole_number(log_every, "log_every", 1)
     history = []
     t0 = time.perf_counter()
-    for step in range(steps):
-        if schedule is not None:
-            optimizer.lr = schedule(step)
-        loss = train_step(model, x, target, optimizer, backend)
-        if step % log_every == 0 or step == steps - 1:
-            acc, miou = scores(model, x, inverse, point_target, backend)
-            rec = {"step": step, "loss": float(loss), "accuracy": acc, "miou": miou,
-                   "seconds": time.perf_counter() - t0}
-            history.append(rec)
-            print_(f"step {step:4d}  loss {loss:.4f}  point accuracy {acc:.3f}  mIoU {miou:.3f}  "
-                   f"({rec['seconds']:.1f} s)")
+    with bar(range(steps), desc="overfit", unit="step") as progress:
+        for step in progress:
+            if schedule is not None:
+                optimizer.lr = schedule(step)
+            loss = train_step(model, x, target, optimizer, backend)
+            progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            if step % log_every == 0 or step == steps - 1:
+                acc, miou = scores(model, x, inverse, point_target, backend)
+                rec = {"step": step, "loss": float(loss), "accuracy": acc, "miou": miou,
+                       "seconds": time.perf_counter() - t0}
+                history.append(rec)
+                log.info("step %4d  loss %.4f  point accuracy %.3f  mIoU %.3f  (%.1f s)", step, loss, acc, miou,
+                         rec["seconds"])
     return history

@@ -47,7 +47,7 @@ hands the gradients over at its end, so the buckets are reduced after it.)
 or the network, never hand-written communication) and :class:`ThreadGroup`
 (ranks as Python threads of one process, for tests without a GPU).
 
-**Launching.** ``numba-sc train --gpus N ...`` starts ``N`` copies of itself
+**Launching.** ``numba-sc train fit --gpus N ...`` starts ``N`` copies of itself
 (:func:`spawn`), one per GPU of this machine, and each learns who it is from
 the environment variables that ``torchrun``, SLURM scripts and most cluster
 launchers set (:func:`placement_from_environment`):
@@ -70,7 +70,7 @@ machines of 8 GPUs each::
 
     # on node0 (10.0.0.1), for r in 0..7; on node1 RANK=8+r
     WORLD_SIZE=16 RANK=$r LOCAL_RANK=$r MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 \\
-        numba-sc train --data KITTI --split train --epochs 10 --batch-size 32 --save run.npz
+        numba-sc train fit --data KITTI --split train --epochs 10 --batch-size 32 --save run.npz
 
 (NCCL's own variables, e.g. ``NCCL_SOCKET_IFNAME`` to choose the network
 interface, apply as usual.) ``--batch-size`` is the global batch: each rank
@@ -81,11 +81,11 @@ without a scan has nothing to run BatchNorm on).
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -94,6 +94,8 @@ import numpy as np
 
 from .data import Loader
 from ..core.device import array_module, gpu_present, is_cupy, simulating
+
+log = logging.getLogger(__name__)
 
 BUCKET_BYTES = 25 * 2 ** 20  # PyTorch DDP's default bucket size
 DEFAULT_PORT = 29500  # torch.distributed's default MASTER_PORT
@@ -476,8 +478,7 @@ def spawn(n, command, master_addr="127.0.0.1", master_port=None, poll=0.2):
             failed = [p for p in procs if p.returncode not in (None, 0)]
             if failed:
                 status = failed[0].returncode
-                print(f"rank {procs.index(failed[0])} exited with status {status}: stopping the others",
-                      file=sys.stderr, flush=True)
+                log.error("rank %d exited with status %d: stopping the others", procs.index(failed[0]), status)
                 break
             time.sleep(poll)
     finally:

@@ -100,11 +100,13 @@ def test_the_contents_follow_the_parts(project):
     assert ":caption: The GMaS step" in toctrees[2]
 
 
-def test_notebooks_run_into_the_cache_and_a_failing_one_is_reported_then_forgotten(project):
+def test_notebooks_run_into_the_cache_and_a_failing_one_is_reported_then_forgotten(project, capsys, monkeypatch):
     """Each notebook runs in its own kernel with notebooks/ as its folder; the cache then
     holds it, matched by its code as myst-nb matches it. A notebook that raises is
     reported with its cell and error, cached (its page shows where it stopped) and
-    forgotten after the build, so that a later build runs it again."""
+    forgotten after the build, so that a later build runs it again. A bar over the
+    notebooks done is drawn on stderr (asked for: stderr is no terminal here), and
+    nowhere in the notebooks' outputs."""
     from jupyter_cache import get_cache
 
     root, parts = project
@@ -114,7 +116,10 @@ def test_notebooks_run_into_the_cache_and_a_failing_one_is_reported_then_forgott
     write_notebook(nbs, "03_gmas", "03 · Broken", code="import math\nmath.sqrt(-1)")
     paths = [nbs / "01_idea.ipynb", nbs / "03_gmas.ipynb"]
     said = []
+    monkeypatch.setenv("NUMBA_SC_PROGRESS", "1")
     runs = book.execute_notebooks(paths, cache_dir, jobs=2, timeout=120, report=said.append)
+    err = capsys.readouterr().err
+    assert "notebooks run" in err and "2/2 [" in err and "notebook/s" in err
     assert [r.name for r in runs] == ["01_idea", "03_gmas"]
     assert runs[0].ok and not runs[1].ok
     assert runs[1].error == "cell 2: ValueError: math domain error"
@@ -125,6 +130,7 @@ def test_notebooks_run_into_the_cache_and_a_failing_one_is_reported_then_forgott
     cache = get_cache(cache_dir)
     _, merged = cache.merge_match_into_notebook(nbformat.read(paths[0], as_version=4))
     assert merged.cells[1].outputs[0]["text"] == "notebooks/ is the working folder\n"
+    assert len(merged.cells[1].outputs) == 1  # (no bar in the notebook)
 
     book.forget_failed(paths, runs, cache_dir)
     assert book.cached_names(chapters, cache_dir, nbs) == {"01_idea"}

@@ -167,14 +167,14 @@ def test_the_command_trains_with_amp_and_resumes_only_with_it(crops, tmp_path, c
         p.tofile(tmp_path / f"crop{i}.bin")
         r.tofile(tmp_path / f"crop{i}.label")
     ckpt = tmp_path / "run.npz"
-    argv = ["train", "--data", str(tmp_path), "--batch-size", "2", "--width", "0.125", "--workers", "0",
+    argv = ["train", "fit", "--data", str(tmp_path), "--batch-size", "2", "--width", "0.125", "--workers", "0",
             "--save", str(ckpt), "--epochs", "2", "--amp"]
     stop_after_first_checkpoint(main, argv, monkeypatch)  # a run of two epochs, stopped after its first checkpoint
-    assert "mixed precision" in capsys.readouterr().out
+    assert "mixed precision" in capsys.readouterr().err
     saved = load(ckpt)
     assert saved["settings"]["amp"] is True and saved["amp"]["scale"] > 0
     assert saved["model"]["stem.0.weight"].dtype == np.float32  # the masters, not their float16 roundings
     assert main(argv + ["--resume", str(ckpt)]) == 0
-    assert "resumed from" in capsys.readouterr().out
+    assert "resumed from" in capsys.readouterr().err
     assert main(argv[:-1] + ["--resume", str(ckpt)]) == 2  # without --amp: another run
     assert "other settings" in capsys.readouterr().err

@@ -33,13 +33,13 @@ def test_train_command(tmp_path, capsys):
 
     load_scan("semantickitti")  # skips without the data
     out = tmp_path / "curve.json"
-    assert main(["train", "--steps", "3", "--crop", "150", "--log-every", "1", "--out", str(out)]) == 0
+    assert main(["train", "overfit", "--steps", "3", "--crop", "150", "--log-every", "1", "--out", str(out)]) == 0
     import json
 
     rec = json.loads(out.read_text())
     assert [h["step"] for h in rec["history"]] == [0, 1, 2] and rec["points"] == 150
     with pytest.raises(SystemExit) as refused:  # the parser refuses it, naming --steps
-        main(["train", "--steps", "0"])
+        main(["train", "overfit", "--steps", "0"])
     assert refused.value.code == 2 and "argument --steps" in capsys.readouterr().err
 
 

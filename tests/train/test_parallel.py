@@ -196,7 +196,7 @@ def test_the_command_refuses_more_gpus_than_the_machine_has(tmp_path, capsys):
         import cupy
 
         count = cupy.cuda.runtime.getDeviceCount()
-    assert main(["train", "--data", str(tmp_path), "--epochs", "1", "--gpus", str(max(2, count + 1))]) == 2
+    assert main(["train", "fit", "--data", str(tmp_path), "--epochs", "1", "--gpus", str(max(2, count + 1))]) == 2
     assert f"this machine has {count} CUDA GPU(s)" in capsys.readouterr().err
 
 

@@ -82,13 +82,14 @@ def test_the_command_trains_saves_resumes_and_logs(folder, tmp_path, capsys, mon
     from numba_sc.__main__ import main
 
     ckpt, log = tmp_path / "run.npz", tmp_path / "run.json"
-    argv = ["train", "--data", str(folder), "--batch-size", "2", "--width", "0.125", "--workers", "1",
+    argv = ["train", "fit", "--data", str(folder), "--batch-size", "2", "--width", "0.125", "--workers", "1",
             "--save", str(ckpt), "--log", str(log), "--eval", str(folder), "--log-every", "1", "--epochs", "2"]
     stop_after_first_checkpoint(main, argv, monkeypatch)  # the run of two epochs, stopped after its first checkpoint
-    out = capsys.readouterr().out
-    assert "scans/s" in out and "held-out accuracy" in out and ckpt.exists() and not log.exists()
+    out, err = capsys.readouterr()  # (the log on stderr, the IoU table on stdout)
+    assert "scans/s" in err and "held-out accuracy" in err and ckpt.exists() and not log.exists()
+    assert "held-out scans after epoch 1/2" in out and "mIoU" in out
     assert main(argv + ["--resume", str(ckpt)]) == 0
-    assert "resumed from" in capsys.readouterr().out
+    assert "resumed from" in capsys.readouterr().err
     history = json.loads(log.read_text())
     assert [h["epoch"] for h in history] == [0, 1] and "eval_miou" in history[1]
     assert log.with_suffix(".png").exists()
