@@ -12,7 +12,7 @@ import pytest
 import numba_sc
 
 PKG = Path(numba_sc.__file__).parent
-OPTIONAL = {"numba_sc.nn.torch_adapter"}  # needs PyTorch
+OPTIONAL = {"numba_sc.nn.torch_adapter", "numba_sc.nn.torch_layers", "numba_sc.nn.torch_models"}  # need PyTorch
 
 
 def _modules():

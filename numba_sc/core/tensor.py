@@ -32,7 +32,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import conventions as cv
-from .device import array_module, require_device
+import importlib.util
+
+from .device import array_module, device_id, is_cupy, require_device
 from .backend import like, to_device, to_host
 
 
@@ -64,6 +66,94 @@ class CoordinateMaps:
                 f"up={sorted(self.up)})")
 
 
+def as_array(a, name: str):
+    """``a`` as the array library's array: NumPy and CuPy arrays as they are, and any
+    other array that speaks DLPack (a PyTorch tensor, a JAX array) over the same memory:
+    NumPy for one in host memory, CuPy for one on a CUDA device.
+
+    Told apart by the protocol, not by importing the other library (numba-sc never
+    imports PyTorch): ``__dlpack_device__()`` says where the memory is. A PyTorch
+    tensor that requires gradients is detached first (DLPack refuses to export it;
+    the sparse tensor only reads its values).
+    """
+    if isinstance(a, np.ndarray) or is_cupy(a) or not hasattr(a, "__dlpack_device__"):
+        return a  # (anything else is left for the shape and dtype checks to name)
+    if getattr(a, "requires_grad", False) and hasattr(a, "detach"):
+        a = a.detach()
+    kind, _ = a.__dlpack_device__()
+    if int(kind) == 1:  # kDLCPU
+        try:
+            return np.from_dlpack(a)
+        except (RuntimeError, BufferError, TypeError) as e:  # a dtype NumPy lacks: bfloat16, say
+            raise TypeError(f"{name} has dtype {getattr(a, 'dtype', '?')}, which NumPy cannot read ({e}); "
+                            "numba-sc takes integer coordinates and float32 or float16 features "
+                            f"(convert with {name}.float() or {name}.half())") from None
+    if int(kind) in (2, 3, 13):  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+        if importlib.util.find_spec("cupy") is None:
+            raise TypeError(f"{name} is a CUDA {type(a).__name__}, which numba-sc reads through CuPy, and "
+                            "CuPy is not installed: pip install -e '.[cuda12]' (or '.[cuda13]'), or move "
+                            f"it to the CPU first ({name}.cpu())")
+        import cupy  # (only here: the host path needs no CuPy)
+
+        return cupy.from_dlpack(a)
+    raise TypeError(f"{name} is a {type(a).__name__} on DLPack device type {kind}, neither the CPU nor a "
+                    f"CUDA GPU: move it to one of them first")
+
+
+def device_kind(device, name: str = "device"):
+    """A device as this library names them: ``"cuda"``, ``"cpu"`` or None (no move).
+
+    Accepts what PyTorch accepts: ``"cuda"``, ``"cpu"``, ``"cuda:N"`` and a
+    ``torch.device`` (told apart by its ``type`` and ``index``, without importing
+    PyTorch). numba-sc runs on the current CUDA device: ``"cuda:N"`` for another
+    GPU is refused with the fix (select it first), rather than quietly running on
+    the current one.
+    """
+    if device is None:
+        return None
+    if not isinstance(device, str) and type(device).__module__.split(".")[0] == "torch" \
+            and hasattr(device, "type") and hasattr(device, "index"):
+        device = device.type if device.index is None else f"{device.type}:{device.index}"
+    if not isinstance(device, str):
+        raise TypeError(f"{name} must be 'cuda' or 'cpu' (or 'cuda:N', a torch.device), got "
+                        f"{type(device).__name__}")
+    kind, _, index = device.partition(":")
+    if kind == "cpu" and not index:
+        return "cpu"
+    if kind == "cuda" and (not index or index.isdigit()):
+        try:
+            current = device_id() if index else None
+        except ImportError:  # no CuPy: the move itself says what to install (require_device)
+            current = None
+        if current is not None and int(index) != current:
+            raise ValueError(f"{name} is {device!r}, but numba-sc runs on the current CUDA device "
+                             f"({current}): select that GPU first (cupy.cuda.Device({int(index)}).use(), "
+                             f"or torch.cuda.set_device({int(index)})), then pass 'cuda'")
+        return "cuda"
+    raise ValueError(f"{name} must be 'cuda' or 'cpu' (or 'cuda:N', a torch.device), got {device!r}")
+
+
+def is_device(a) -> bool:
+    """True for what names a device rather than a dtype: ``"cuda"``, ``"cuda:N"``, ``"cpu"``
+    or a ``torch.device`` (a string such as ``"float16"`` names a dtype)."""
+    if isinstance(a, str):
+        return a.partition(":")[0] in ("cuda", "cpu")
+    return type(a).__module__.split(".")[0] == "torch" and hasattr(a, "index") and hasattr(a, "type")
+
+
+def numpy_dtype(dtype):
+    """A dtype as NumPy names it; a PyTorch one (``torch.float16``) by its name, without
+    importing PyTorch. None stays None; anything else is NumPy's to judge."""
+    if dtype is not None and type(dtype).__module__.split(".")[0] == "torch" and str(dtype).startswith("torch."):
+        name = str(dtype)[len("torch."):]
+        try:
+            return np.dtype(name)
+        except TypeError:
+            raise TypeError(f"dtype {dtype} has no NumPy counterpart; numba-sc computes in float32 or "
+                            "float16 (torch.float32, torch.float16)") from None
+    return dtype
+
+
 def map_key(*args):
     """Normalize layer arguments (ints or 3-tuples) into the key of a map: 3-tuples."""
     return tuple(cv.as_int_tuple(a, "key") for a in args)
@@ -75,11 +165,12 @@ class SparseTensor:
     Parameters
     ----------
     coords : int array (N, 3) or (N, 4)
+        NumPy, CuPy, or any DLPack array (a PyTorch tensor: :func:`as_array`).
         Voxel coordinates as :func:`numba_sc.voxelize` returns them, optionally
         with the batch index in column 0. They need not be sorted; they must be
         unique.
     features : float32 or float16 array (N, C)
-        Row i belongs to ``coords[i]``. float64 is the oracle's dtype: it runs on
+        NumPy, CuPy or DLPack, as ``coords``. Row i belongs to ``coords[i]``. float64 is the oracle's dtype: it runs on
         ``backend="reference"`` only (:mod:`numba_sc.tools.oracle`).
     stride : int or 3 ints
         Tensor stride: the grid spacing of the coordinates, in finest voxels
@@ -96,10 +187,12 @@ class SparseTensor:
     """
 
     def __init__(self, coords: cv.Array, features: cv.Array, stride: cv.IntOr3 = 1):
+        coords, features = as_array(coords, "coords"), as_array(features, "features")
         # Range: checked by pack_keys below (in a kernel for device arrays).
         coords = cv.validate_coords(coords, "coords", check_range=False)
         if not hasattr(features, "shape") or not hasattr(features, "dtype"):
-            raise TypeError(f"features must be a NumPy or CuPy array, got {type(features).__name__}")
+            raise TypeError(f"features must be a NumPy or CuPy array (or a PyTorch tensor), got "
+                            f"{type(features).__name__}")
         if features.ndim != 2:
             raise ValueError(
                 f"features must have shape (N, C), got {tuple(features.shape)}; for one "
@@ -174,20 +267,21 @@ class SparseTensor:
         return SparseTensor.from_layer(self.coords, self.features, self.stride, None)
 
     def to(self, *args, dtype=None, device=None):
-        """The same tensor on ``device`` (``"cuda"``: CuPy arrays on the GPU, or NumPy
-        under the simulator; ``"cpu"``: NumPy) and/or with features of ``dtype``
+        """The same tensor on ``device`` (``"cuda"``, ``"cuda:N"`` of the current device or a
+        ``torch.device``: CuPy arrays on the GPU, or NumPy under the simulator; ``"cpu"``:
+        NumPy; :func:`device_kind`) and/or with features of ``dtype``
         (float32 or float16; float64, the oracle's, stays on the CPU side: it runs on
         ``backend="reference"`` only), given by name or by position as in PyTorch:
         ``x.to("cuda")``, ``x.to(np.float16)``. Returns ``self`` when nothing
         changes. A tensor that moves leaves its maps behind (they live on the
         other side): layers build them again on first use."""
         for a in args:
-            if isinstance(a, str):
+            if isinstance(a, str) or is_device(a):  # (any string: "tpu" is refused as a device)
                 device = a
             else:
                 dtype = a
-        if device not in (None, "cuda", "cpu"):
-            raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+        device = device_kind(device)
+        dtype = numpy_dtype(dtype)
         if dtype is not None and np.dtype(dtype) not in cv.REFERENCE_DTYPES:
             raise TypeError(f"dtype must be float32 or float16 (or float64 for backend='reference'), "
                             f"got {dtype!r}")

@@ -68,7 +68,8 @@ from ..core.device import array_module, require_device
 from ..core.backend import like, resolve_backend, to_device, to_host
 from ..conv.gradient import sparse_conv3d_backward
 from ..conv.layer import convolve
-from ..core.tensor import CoordinateMaps, SparseTensor, map_key, same_coordinates
+from ..core.tensor import (CoordinateMaps, SparseTensor, device_kind, is_device, map_key, numpy_dtype,
+                           same_coordinates)
 
 _BACKEND = contextvars.ContextVar("numba_sc_nn_backend", default=None)
 _RUNNING = contextvars.ContextVar("numba_sc_nn_running", default=False)  # inside a module's call
@@ -243,15 +244,16 @@ class Module:
     def to(self, *args, dtype=None, device=None):
         """Convolution and linear weights to ``dtype`` (the ``"float32"`` parameters to
         float64 for ``np.float64``, back to float32 otherwise); every parameter to ``device``
-        (``"cuda"``: CuPy arrays on the GPU, or NumPy under the simulator;
-        ``"cpu"``: NumPy). As in PyTorch, either may be given by position:
+        (``"cuda"``, ``"cuda:N"`` of the current device, a ``torch.device``: CuPy arrays on
+        the GPU, or NumPy under the simulator; ``"cpu"``: NumPy;
+        :func:`numba_sc.core.tensor.device_kind`). As in PyTorch, either may be given by position:
         ``model.to("cuda")``, ``model.to(np.float16)``, ``model.to("cuda", np.float16)``.
         Returns the module.
 
         A parameter that changes dtype or side is a new array; an optimizer built
         before follows it by name at its next step (:mod:`numba_sc.train.optim`)."""
         for a in args:
-            if isinstance(a, str) and a in ("cuda", "cpu"):
+            if is_device(a):  # a string or a torch.device
                 if device is not None:
                     raise ValueError(f"two devices given: {device!r} and {a!r}")
                 device = a
@@ -259,8 +261,8 @@ class Module:
                 if dtype is not None:
                     raise ValueError(f"two dtypes given: {dtype!r} and {a!r}")
                 dtype = a
-        if device not in (None, "cuda", "cpu"):
-            raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+        device = device_kind(device)  # 'cuda', 'cuda:0', a torch.device ... -> 'cuda' | 'cpu' | None
+        dtype = numpy_dtype(dtype)
         if dtype is not None:
             try:
                 dt = np.dtype(dtype)

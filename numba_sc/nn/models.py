@@ -83,7 +83,7 @@ class ResidualBlock(Module):
         return self.main[4](h, residual=self.shortcut(x), relu=True)
 
 
-def _channels(base, width):
+def scaled_channels(base, width):
     """The channel counts ``base`` scaled by ``width`` (each at least 1)."""
     if isinstance(width, (bool, np.bool_)) or not isinstance(width, (int, float, np.integer, np.floating)) \
             or not 0 < width < float("inf"):
@@ -106,7 +106,7 @@ class SparseResNet21(Module):
     def __init__(self, in_channels=4, width=1.0, seed=0):
         super().__init__()
         rng = _weights_rng(seed)
-        cs = _channels([16, 32, 64, 128], width)
+        cs = scaled_channels([16, 32, 64, 128], width)
         self.in_channels = positive_int(in_channels, "in_channels")
         stages = []
         c = self.in_channels
@@ -132,7 +132,7 @@ class MinkUNet42(Module):
     def __init__(self, in_channels=4, num_classes=19, width=1.0, seed=0):
         super().__init__()
         rng = _weights_rng(seed)
-        cs = _channels([32, 32, 64, 128, 256, 256, 128, 96, 96], width)
+        cs = scaled_channels([32, 32, 64, 128, 256, 256, 128, 96, 96], width)
         self.in_channels = positive_int(in_channels, "in_channels")
         self.num_classes = positive_int(num_classes, "num_classes")
         self.stem = Sequential(SubMConv3d(in_channels, cs[0], 3, rng=rng), BatchNorm(cs[0]), ReLU(),

@@ -29,7 +29,7 @@ library's :class:`numba_sc.nn.Linear`. BatchNorm's tensors have the same shape
 on both sides.
 
 :func:`state_dict_from_spconv` converts a whole state dict whose names are the
-model's (a spconv network built with the same module names, as
+model's (or are made so by ``rename=``) (a spconv network built with the same module names, as
 ``benchmarks/spconv_nets.py`` builds the two networks of
 :mod:`numba_sc.nn.models`), checking every shape against the layer it is for;
 :func:`state_dict_to_spconv` goes the other way.
@@ -40,10 +40,11 @@ import numpy as np
 
 from ..core import conventions as cv
 from ..core.backend import to_host
+from .checkpoint_keys import rename_keys
 from .layers import Linear, ConvLayer
 
 
-def _numpy(a):
+def as_numpy(a):
     """A NumPy array of a NumPy, CuPy or PyTorch array (any device)."""
     if hasattr(a, "detach"):  # a torch tensor
         return a.detach().cpu().numpy()
@@ -52,7 +53,7 @@ def _numpy(a):
 
 def conv_weight_from_spconv(w) -> np.ndarray:
     """spconv ``(C_out, kx, ky, kz, C_in)`` -> ``(K, C_in, C_out)`` (a NumPy copy)."""
-    w = _numpy(w)
+    w = as_numpy(w)
     if w.ndim != 5:
         raise ValueError(f"a spconv convolution weight has 5 dimensions (C_out, kx, ky, kz, C_in), "
                          f"got shape {w.shape}")
@@ -62,7 +63,7 @@ def conv_weight_from_spconv(w) -> np.ndarray:
 
 def conv_weight_to_spconv(w, kernel_size) -> np.ndarray:
     """``(K, C_in, C_out)`` -> spconv ``(C_out, kx, ky, kz, C_in)`` for ``kernel_size``."""
-    w = _numpy(w)
+    w = as_numpy(w)
     ks = cv.as_int_tuple(kernel_size, "kernel_size")
     if w.ndim != 3 or w.shape[0] != int(np.prod(ks)):
         raise ValueError(f"weight must have shape (K, C_in, C_out) with K = {int(np.prod(ks))} for "
@@ -91,20 +92,23 @@ def _owners(model):
     return out
 
 
-def state_dict_from_spconv(model, state) -> dict:
-    """A spconv (PyTorch) state dict, converted for ``model`` (a :class:`numba_sc.nn.Module`
-    whose parameters have the same names): convolution weights from KRSC,
-    linear weights transposed, the rest as they are. Every name of the model
-    must be there, and every shape must fit its layer."""
+def state_dict_from_spconv(model, state, rename=None) -> dict:
+    """A spconv (PyTorch) state dict, converted for ``model`` (a :class:`numba_sc.nn.Module`):
+    convolution weights from KRSC, linear weights transposed, the rest as they are.
+    Every name of the model must be there (after ``rename``, a callable or a
+    ``{regex: replacement}`` dict for a network whose modules are named otherwise:
+    :func:`numba_sc.nn.checkpoint_keys.rename_keys`), and every shape must fit its layer."""
+    state = rename_keys(state, rename)
     model._assign_names()
     owners = _owners(model)
     missing = [k for k in owners if k not in state]
     if missing:
         raise KeyError(f"the spconv state dict lacks {missing[:6]}{' ...' if len(missing) > 6 else ''} "
-                       f"of {type(model).__name__}")
+                       f"of {type(model).__name__}; if its modules are named otherwise, map the names "
+                       "with rename= (a callable or a {regex: replacement} dict)")
     out = {}
     for name, (m, p) in owners.items():
-        v = _numpy(state[name])
+        v = as_numpy(state[name])
         if p == "weight" and isinstance(m, ConvLayer):
             want = (m.out_channels, *m.kernel_size, m.in_channels)
             if v.shape != want:
@@ -125,7 +129,7 @@ def state_dict_to_spconv(model) -> dict:
     each for ``spconv_model.load_state_dict``)."""
     out = {}
     for name, (m, p) in _owners(model).items():
-        v = _numpy(getattr(m, p))
+        v = as_numpy(getattr(m, p))
         if p == "weight" and isinstance(m, ConvLayer):
             v = _pointwise_to_spconv(v) if m.pointwise else conv_weight_to_spconv(v, m.kernel_size)
         elif p == "weight" and isinstance(m, Linear):

@@ -8,13 +8,13 @@ for the gradients, so a PyTorch model can mix numba-sc convolutions with its own
 layers and train them with ``torch.optim``::
 
     import torch, numba_sc as ns
-    from numba_sc.nn.torch_adapter import SparseConv
+    from numba_sc.nn.torch_adapter import TorchSubMConv3d
 
     x = ns.SparseTensor(coords, features)                 # the coordinates (and their maps)
-    conv = TorchSubMConv3d(16, 32, kernel_size=3).cuda()  # a torch.nn.Module, weight (K, C_in, C_out)
+    conv = TorchSubMConv3d(16, 32, kernel_size=3).cuda()  # a torch.nn.Module, weight (K, C_in, C_out), no bias
     f = torch.randn(len(x), 16, device="cuda", requires_grad=True)   # rows in coords' order
     out, y = conv(x, f)                                   # out: torch (|P|, 32), rows in coords' order
-    out.square().sum().backward()                         # f.grad, conv.weight.grad, conv.bias.grad
+    out.square().sum().backward()                         # f.grad, conv.weight.grad
 
 **Row order.** ``features`` follow the coordinates as the caller gave them to
 ``SparseTensor`` (which sorts its rows and keeps the permutation in ``x.order``),
@@ -32,6 +32,11 @@ generator: ``torch.manual_seed`` decides them); :class:`SparseConv` takes the ki
 as arguments, and :func:`sparse_conv` is the functional form. float32 and float16,
 as the library (``torch.autograd.gradcheck`` runs in float32 with loosened
 tolerances: the kernels have no float64).
+
+These take and return a pair (coordinates, torch features), so they do not fit in a
+``torch.nn.Sequential``; :mod:`numba_sc.nn.torch_layers` has modules that do (every
+layer kind, on one torch-side sparse tensor), and :mod:`numba_sc.nn.torch_models` the
+two networks.
 """
 from __future__ import annotations
 
@@ -45,8 +50,8 @@ from ..core.tensor import CoordinateMaps, SparseTensor, map_key
 from ..conv.layer import sparse_conv3d
 from ..conv.gradient import sparse_conv3d_backward
 
-__all__ = ["SparseConv", "TorchSubMConv3d", "TorchSparseConv3d", "TorchSparseInverseConv3d", "sparse_conv",
-           "to_array", "to_tensor"]
+__all__ = ["SparseConv", "TorchSubMConv3d", "TorchSparseConv3d", "TorchSparseInverseConv3d", "conv_sorted",
+           "sparse_conv", "to_array", "to_tensor"]
 
 
 def to_array(t):
@@ -132,6 +137,27 @@ def _order_tensor(x, device):
     return None if x.order is None else to_tensor(x.order).to(device=device, dtype=torch.int64)
 
 
+def conv_sorted(x, features, weight, kernel_size=3, stride=1, dilation=1, transposed=False, kernel_map=None,
+                backend=None, bias=None):
+    """:func:`sparse_conv` on features already in ``x.coords``' (sorted) row order, as
+    every layer's output is: ``(out, y)``, ``out`` in ``y.coords``' order. The map is the
+    one kept on ``x``'s coordinates (else built and kept there) unless ``kernel_map``
+    is given. What :mod:`numba_sc.nn.torch_layers` calls."""
+    remember = None
+    if kernel_map is None:
+        kernel_map, remember = _kept_map(x, kernel_size, stride, dilation, transposed)
+    holder = []
+    kwargs = dict(kernel_size=kernel_size, stride=stride, dilation=dilation, transposed=transposed,
+                  kernel_map=kernel_map, backend=backend)
+    out = _SparseConvFunction.apply(features, weight, x, kwargs, holder)
+    y = holder[0]
+    if remember is not None:
+        remember(y)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out, y
+
+
 def sparse_conv(x, features, weight, kernel_size=3, stride=1, dilation=1, transposed=False, kernel_map=None,
                 backend=None, bias=None):
     """:func:`numba_sc.sparse_conv3d` on torch tensors, differentiable in ``features``,
@@ -154,20 +180,10 @@ def sparse_conv(x, features, weight, kernel_size=3, stride=1, dilation=1, transp
     if features.ndim != 2 or features.shape[0] != len(x):
         raise ValueError(f"features must have shape ({len(x)}, C_in), one row per coordinate of x, got "
                          f"{tuple(features.shape)}")
-    remember = None
-    if kernel_map is None:
-        kernel_map, remember = _kept_map(x, kernel_size, stride, dilation, transposed)
     order = _order_tensor(x, features.device)
     sorted_features = features if order is None else features[order]
-    holder = []
-    kwargs = dict(kernel_size=kernel_size, stride=stride, dilation=dilation, transposed=transposed,
-                  kernel_map=kernel_map, backend=backend)
-    out = _SparseConvFunction.apply(sorted_features, weight, x, kwargs, holder)
-    y = holder[0]
-    if remember is not None:
-        remember(y)
-    if bias is not None:
-        out = out + bias.to(out.dtype)
+    out, y = conv_sorted(x, sorted_features, weight, kernel_size, stride, dilation, transposed, kernel_map,
+                         backend, bias)
     if order is not None and not transposed and len(y) == len(x) and y.stride == x.stride:
         # the same coordinates as x: back into the caller's row order
         out = torch.empty_like(out).index_copy(0, order, out)
@@ -178,11 +194,17 @@ class SparseConv(torch.nn.Module):
     """A sparse convolution as a ``torch.nn.Module``: the weight a ``torch.nn.Parameter``
     of shape (K, C_in, C_out) (numba-sc's layout), drawn from torch's generator as
     :class:`numba_sc.nn.SubMConv3d` draws its own (He normal), and a bias (zeros)
-    unless ``bias=False``. ``forward(x, features)`` -> ``(out, y)`` as
-    :func:`sparse_conv`."""
+    when ``bias=True``. ``forward(x, features)`` -> ``(out, y)`` as
+    :func:`sparse_conv`.
+
+    **Changed (issue #36):** ``bias`` defaults to False, as in every layer of
+    :mod:`numba_sc.nn` and :mod:`numba_sc.nn.torch_layers` (a convolution followed by
+    BatchNorm has no use for one: BatchNorm's shift replaces it). It defaulted to True
+    before: pass ``bias=True`` to keep the old modules (and to load their state dicts,
+    which hold a ``bias``; without it ``load_state_dict`` names the unexpected key)."""
 
     def __init__(self, in_channels, out_channels, kernel_size=3, stride=1, dilation=1, transposed=False,
-                 bias=True):
+                 bias=False):
         super().__init__()
         in_channels = cv.positive_int(in_channels, "in_channels")
         out_channels = cv.positive_int(out_channels, "out_channels")
@@ -200,14 +222,14 @@ class SparseConv(torch.nn.Module):
 class TorchSubMConv3d(SparseConv):
     """Submanifold convolution (outputs on the input's coordinates), as a torch module."""
 
-    def __init__(self, in_channels, out_channels, kernel_size=3, dilation=1, bias=True):
+    def __init__(self, in_channels, out_channels, kernel_size=3, dilation=1, bias=False):
         super().__init__(in_channels, out_channels, kernel_size, 1, dilation, False, bias)
 
 
 class TorchSparseConv3d(SparseConv):
     """Strided convolution (outputs at ``floor(P / s) * s``), as a torch module."""
 
-    def __init__(self, in_channels, out_channels, kernel_size=2, stride=2, dilation=1, bias=True):
+    def __init__(self, in_channels, out_channels, kernel_size=2, stride=2, dilation=1, bias=False):
         super().__init__(in_channels, out_channels, kernel_size, stride, dilation, False, bias)
 
 
@@ -215,5 +237,5 @@ class TorchSparseInverseConv3d(SparseConv):
     """Transposed convolution back onto the coordinates a strided layer of the same
     ``kernel_size`` and ``stride`` started from, as a torch module."""
 
-    def __init__(self, in_channels, out_channels, kernel_size=2, stride=2, dilation=1, bias=True):
+    def __init__(self, in_channels, out_channels, kernel_size=2, stride=2, dilation=1, bias=False):
         super().__init__(in_channels, out_channels, kernel_size, stride, dilation, True, bias)
