@@ -93,9 +93,13 @@ def test_gradients_as_close_as_spconvs_two_algorithms():
     def rel(a, b):
         return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
+    # Ours against the nearer of spconv's two algorithms, parameter by parameter: float32
+    # gradients through BatchNorm and ReLU differ from engine to engine (and, for spconv's
+    # atomics, from run to run), so "as close as spconv's two algorithms are to each other"
+    # is the yardstick, not a fixed tolerance.
     keys = list(theirs["native"])
-    ours_err = max(rel(mine[k], theirs["native"][k]) for k in keys)
+    ours_err = max(min(rel(mine[k], theirs[a][k]) for a in ("native", "implicit")) for k in keys)
     spconv_err = max(rel(theirs["implicit"][k], theirs["native"][k]) for k in keys)
-    print(f"largest relative gradient difference: ours vs Native {ours_err:.2e}, "
+    print(f"largest relative gradient difference: ours vs the nearer spconv {ours_err:.2e}, "
           f"ImplicitGemm vs Native {spconv_err:.2e}")
     assert ours_err <= 2 * spconv_err + 1e-6, (ours_err, spconv_err)
