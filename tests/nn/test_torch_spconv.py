@@ -75,8 +75,12 @@ def _grads(run, params, f):
     out = run(f)
     g = torch.from_numpy(np.random.default_rng(0).standard_normal(tuple(out.shape)).astype(np.float32)).cuda()
     (out * g).sum().backward()
-    return {"input": f.grad.detach().cpu().numpy(),
-            **{k: p.grad.detach().cpu().numpy() for k, p in params}}
+    # None where torch computed no gradient (spconv 2.3.8's MaskImplicitGemm in eval mode
+    # gives none at all: seen on the H100, 2026-11-28)
+    def grad(t):
+        return None if t.grad is None else t.grad.detach().cpu().numpy()
+
+    return {"input": grad(f), **{k: grad(p) for k, p in params}}
 
 
 def test_gradients_as_close_as_spconvs_two_algorithms():
@@ -98,8 +102,16 @@ def test_gradients_as_close_as_spconvs_two_algorithms():
     # atomics, from run to run), so "as close as spconv's two algorithms are to each other"
     # is the yardstick, not a fixed tolerance.
     keys = list(theirs["native"])
-    ours_err = max(min(rel(mine[k], theirs[a][k]) for a in ("native", "implicit")) for k in keys)
-    spconv_err = max(rel(theirs["implicit"][k], theirs["native"][k]) for k in keys)
-    print(f"largest relative gradient difference: ours vs the nearer spconv {ours_err:.2e}, "
-          f"ImplicitGemm vs Native {spconv_err:.2e}")
-    assert ours_err <= 2 * spconv_err + 1e-6, (ours_err, spconv_err)
+    assert all(mine[k] is not None and theirs["native"][k] is not None for k in keys), \
+        [k for k in keys if mine[k] is None or theirs["native"][k] is None]
+    algos = [a for a in ("native", "implicit") if all(theirs[a][k] is not None for k in keys)]
+    ours_err = max(min(rel(mine[k], theirs[a][k]) for a in algos) for k in keys)
+    if "implicit" in algos:
+        spconv_err = max(rel(theirs["implicit"][k], theirs["native"][k]) for k in keys)
+        print(f"largest relative gradient difference: ours vs the nearer spconv {ours_err:.2e}, "
+              f"ImplicitGemm vs Native {spconv_err:.2e}")
+        assert ours_err <= 2 * spconv_err + 1e-6, (ours_err, spconv_err)
+    else:  # no second algorithm to measure the spread by: float32's own, a fixed bound
+        print(f"largest relative gradient difference: ours vs Native {ours_err:.2e} "
+              "(MaskImplicitGemm gave no gradients)")
+        assert ours_err <= 1e-5, ours_err
