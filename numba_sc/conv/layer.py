@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from ..core import conventions as cv
 from ..core.backend import like, resolve_backend
 from ..core.conventions import Array, IntOr3
-from ..core.tensor import SparseTensor
+from ..core.tensor import SparseTensor, as_array
 from ..gmas import gemm_grouping as gg
 from ..gmas.layout import centre_offset, submanifold_centre
 from ..map.kernel_map import KernelMap
@@ -89,7 +89,8 @@ def sparse_conv3d(x: SparseTensor, weight: Array, kernel_size: IntOr3 = 3, strid
 
     Parameters
     ----------
-    weight : (K, C_in, C_out), the dtype of ``x.features``
+    weight : (K, C_in, C_out), the dtype of ``x.features`` (a NumPy or CuPy array, or a PyTorch
+        tensor or other DLPack array, read over the same memory)
         One matrix per kernel offset, in :func:`numba_sc.kernel_offsets` order.
     kernel_size, stride, dilation : int or 3 ints
         Used to build the map; ignored when ``kernel_map`` is given (the map's own
@@ -132,6 +133,7 @@ def sparse_conv3d(x: SparseTensor, weight: Array, kernel_size: IntOr3 = 3, strid
     layer, the strided map's :meth:`~numba_sc.KernelMap.transposed`, made when
     first read).
     """
+    weight = as_array(weight, "weight")  # (a PyTorch tensor, or any DLPack array, over the same memory)
     return convolve(x, weight, LayerSettings(kernel_size, stride, dilation, transposed, kernel_map, backend,
                                              tile_size, layer, sort_offsets, max_padding, solo_rows,
                                              launch_rows, dataflow))

@@ -46,6 +46,7 @@ from ..core.device import device_xp, is_cupy
 from ..core.backend import like, resolve_backend, to_device, to_host
 from ..core.launch import THREADS, blocks_for, launch
 from ..core.rungs import Ladder, Rung
+from ..core.tensor import as_array
 from ..core.unique import sort_unique_cuda, sort_unique_reference, unpack_kernel
 
 REDUCTIONS = ("mean", "sum", "max")
@@ -251,8 +252,12 @@ def voxelize(points: cv.Array, voxel_size: float | tuple[float, float, float], f
 
     Returns a :class:`Voxelization` with ``.coords`` (int32 (M, 3|4), exactly
     ``floor(points / voxel_size)`` de-duplicated and sorted), ``.features``,
-    ``.inverse`` (int64 (N,)) and ``.counts``; arrays of the kind given.
+    ``.inverse`` (int64 (N,)) and ``.counts``; arrays of the kind given (a PyTorch
+    tensor, or any array that speaks DLPack, is read as NumPy on the CPU and CuPy on
+    a GPU, and the result is of that kind).
     """
+    points = as_array(points, "points")
+    features = None if features is None else as_array(features, "features")
     if resolve_backend(backend) == "reference":
         out = voxelize_reference(
             points.get() if is_cupy(points) else points, voxel_size,

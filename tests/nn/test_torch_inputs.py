@@ -84,3 +84,22 @@ def test_to_takes_cuda_0_and_torch_devices():
     m = ns.nn.SubMConv3d(4, 2)
     m.to(torch.device("cuda:0"), torch.float16)
     assert m.weight.dtype == np.float16
+
+
+def test_voxelize_and_the_layer_weight_take_torch_tensors():
+    """The other two places a user hands numba-sc arrays: the points (and features) to
+    voxelize, and a layer's weight; the results equal those of the NumPy arrays."""
+    rng = np.random.default_rng(4)
+    pts = rng.uniform(0, 2, size=(200, 3)).astype(np.float32)
+    feats = rng.standard_normal((200, 2)).astype(np.float32)
+    want = ns.voxelize(pts, 0.25, feats, backend="reference")
+    got = ns.voxelize(torch.from_numpy(pts), 0.25, torch.from_numpy(feats), backend="reference")
+    np.testing.assert_array_equal(got.coords, want.coords)
+    np.testing.assert_array_equal(got.features, want.features)
+    x = ns.SparseTensor(want.coords, want.features)
+    w = (rng.standard_normal((27, 2, 3)) / 3).astype(np.float32)
+    ref = ns.sparse_conv3d(x, w, 3, backend="reference").features
+    out = ns.sparse_conv3d(x, torch.tensor(w, requires_grad=True), 3, backend="reference").features
+    np.testing.assert_array_equal(out, ref)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        ns.sparse_conv3d(x, torch.from_numpy(w[:9]), 3, backend="reference")
