@@ -25,7 +25,9 @@ coordinates (sorted, with their stride and the maps built on them) beside a torc
 :class:`SparseInverseConv3d`  transposed convolution, back onto the coordinates the
                               strided layer of the same shape started from
 :class:`BatchNorm`            ``torch.nn.BatchNorm1d`` on the features
-:class:`ReLU`, :class:`Linear`, :class:`Identity`
+:class:`ReLU`                 ``max(0, x)`` on the features
+:class:`Linear`               one matrix for every point's features (a 1x1x1 layer)
+:class:`Identity`             the input as it is (a shortcut with nothing to change)
 :class:`Add`, :class:`Cat`    residual add, concatenation (two tensors on one coordinate set)
 ============================  ====================================================
 
