@@ -162,3 +162,35 @@ class Ladder:
         """Rung ``name``'s result as the host array compared with the reference."""
         res = self.run(name, work)
         return self.collect(res) if self.collect else to_host(res)
+
+
+# ------------------------------------------- napkin math of a layer's ladders
+# For the ladders whose workload is one layer (``Context.layer()``: the map ``km`` with
+# its centre offset, ``features``, ``weight`` (K, C_in, C_out) and the ``init`` they add
+# onto): the fused dataflows (fetch-on-demand, implicit GEMM), whose rungs all do the
+# same arithmetic on the same pairs.
+def layer_pairs(w) -> tuple:
+    """The layer's pairs outside the centre (the caller's dense product gives the centre
+    as init): how many, how many inputs they read, and through how many offsets."""
+    table = to_host(w["km"].table)
+    hit = table >= 0  # (K, |Q|)
+    if w["centre"] >= 0:
+        hit[w["centre"]] = False
+    return int(hit.sum()), len(np.unique(table[hit])), int(hit.any(axis=1).sum())
+
+
+def layer_bytes_moved(w) -> int:
+    """At least: each input row that a pair reads, W[k] of each offset with a pair, the
+    pairs' indices (an input and an output, int32 each) and the init, read once; the
+    output written once."""
+    pairs, inputs, offsets = layer_pairs(w)
+    _, c_in, c_out = w["weight"].shape
+    size = w["features"].dtype.itemsize
+    return (inputs * c_in + offsets * c_in * c_out) * size + pairs * 2 * 4 + 2 * w["init"].nbytes
+
+
+def layer_flops(w) -> int:
+    """Each pair's input row (C_in) times its W[k] (C_in x C_out): C_in x C_out multiply-adds,
+    two flops each."""
+    _, c_in, c_out = w["weight"].shape
+    return 2 * layer_pairs(w)[0] * c_in * c_out

@@ -61,7 +61,7 @@ from numba import cuda, float32, int32
 from ..core import conventions as cv
 from ..core.backend import to_device, to_host
 from ..core.launch import THREADS, blocks_for, launch
-from ..core.rungs import Ladder, Rung
+from ..core.rungs import Ladder, Rung, layer_bytes_moved, layer_flops
 from ..core.state import cached
 from .fetch_shapes import FetchPlan, FetchTiles, accumulator, block_table, check_table, check_table_layout, v2_tiles
 
@@ -304,33 +304,6 @@ def _ladder_work(ctx):
     return dict(layer, fetch_plan=plan)
 
 
-def _pairs(w):
-    """The layer's pairs outside the centre (the caller's dense product gives the centre
-    as init): how many, how many inputs they read, and through how many offsets."""
-    hit = to_host(w["km"].table) >= 0  # (K, |Q|)
-    if w["centre"] >= 0:
-        hit[w["centre"]] = False
-    inputs = np.unique(to_host(w["km"].table)[hit])
-    return int(hit.sum()), len(inputs), int(hit.any(axis=1).sum())
-
-
-def _bytes_moved(w):
-    """At least: each input row that a pair reads, W[k] of each offset with a pair, the
-    pairs' indices (an input and an output, int32 each) and the init, read once; the
-    output written once."""
-    pairs, inputs, offsets = _pairs(w)
-    _, c_in, c_out = w["weight"].shape
-    size = w["features"].dtype.itemsize
-    return (inputs * c_in + offsets * c_in * c_out) * size + pairs * 2 * 4 + 2 * w["init"].nbytes
-
-
-def _flops(w):
-    """Each pair's input row (C_in) times its W[k] (C_in x C_out): C_in x C_out multiply-adds,
-    two flops each."""
-    _, c_in, c_out = w["weight"].shape
-    return 2 * _pairs(w)[0] * c_in * c_out
-
-
 def _rung(name, adds):
     return Rung(name, lambda w: RUNS[name](to_device(w["features"]), to_device(w["weight"]), w["fetch_plan"], w["init"]),
                 adds)
@@ -344,6 +317,6 @@ LADDER = Ladder(
     reference=lambda w: fetch_on_demand_reference(to_host(w["features"]), to_host(w["weight"]),
                                                   to_host(w["km"].table), to_host(w["init"]), w["centre"]),
     tolerance={"float32": 1e-5, "float16": 2e-3},
-    bytes_moved=_bytes_moved,
-    flops=_flops,
+    bytes_moved=layer_bytes_moved,
+    flops=layer_flops,
 )

@@ -76,7 +76,7 @@ from ..core.backend import to_device, to_host
 from ..core.conventions import MASK_BITS, mask_words
 from ..core.device import device_xp, simulating
 from ..core.launch import THREADS, blocks_for
-from ..core.rungs import Ladder, Rung
+from ..core.rungs import Ladder, Rung, layer_bytes_moved, layer_flops
 from ..core.state import cached
 from .implicit_shapes import (GPU_V2_TILE, SIM_V2_TILE, WORDS, TensorTiles, Tiles, cdiv, check_inputs,
                               check_plan_args, check_rows, check_skip, implicit_tiles, run_splits, tensor_tiles,
@@ -679,33 +679,6 @@ RUNS = {"v1": run_v1, "v2": run_v2, "v3": run_v3,
         "v4": lambda f, w, t, plan, init: (run_v4 if f.dtype == np.float16 else run_v3)(f, w, t, plan, init)}
 
 
-def _pairs(w):
-    """The layer's pairs outside the centre (the caller's dense product gives the centre
-    as init): how many, how many inputs they read, and through how many offsets."""
-    hit = to_host(w["km"].table) >= 0  # (K, |Q|)
-    if w["centre"] >= 0:
-        hit[w["centre"]] = False
-    inputs = np.unique(to_host(w["km"].table)[hit])
-    return int(hit.sum()), len(inputs), int(hit.any(axis=1).sum())
-
-
-def _bytes_moved(w):
-    """At least: each input row that a pair reads, W[k] of each offset with a pair, the
-    pairs' indices (an input and an output, int32 each) and the init, read once; the
-    output written once."""
-    pairs, inputs, offsets = _pairs(w)
-    _, c_in, c_out = w["weight"].shape
-    size = w["features"].dtype.itemsize
-    return (inputs * c_in + offsets * c_in * c_out) * size + pairs * 2 * 4 + 2 * w["init"].nbytes
-
-
-def _flops(w):
-    """Each pair's input row (C_in) times its W[k] (C_in x C_out): C_in x C_out multiply-adds,
-    two flops each."""
-    _, c_in, c_out = w["weight"].shape
-    return 2 * _pairs(w)[0] * c_in * c_out
-
-
 def _rung(name, adds, gpu_only=False):
     return Rung(name, lambda w: RUNS[name](w["features"], w["weight"], w["km"].table, w["implicit_plan"], w["init"]),
                 adds, gpu_only)
@@ -723,6 +696,6 @@ LADDER = Ladder(
     reference=lambda w: implicit_gemm_reference(to_host(w["features"]), to_host(w["weight"]),
                                                 to_host(w["km"].table), to_host(w["init"]), w["centre"]),
     tolerance={"float32": 1e-5, "float16": 2e-3},
-    bytes_moved=_bytes_moved,
-    flops=_flops,
+    bytes_moved=layer_bytes_moved,
+    flops=layer_flops,
 )
