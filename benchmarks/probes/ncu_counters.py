@@ -394,6 +394,20 @@ def ncu_counters_marker(flag, index):
         flag[0] = index
 
 
+@cuda.jit(device=True, inline=True)
+def find(src, q):
+    """The index of ``q`` in the sorted ``src`` by a lower-bound binary search, or -1: the
+    one search both plain kernels below run, whatever order their queries come in."""
+    lo, hi = 0, src.shape[0]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if src[mid] < q:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo if lo < src.shape[0] and src[lo] == q else -1
+
+
 @cuda.jit
 def search_listed(src, queries, found):
     """One thread per query of a materialized list: the lower bound of ``queries[t]`` in the
@@ -402,15 +416,7 @@ def search_listed(src, queries, found):
     alone does to the caches."""
     t = cuda.grid(1)
     if t < queries.shape[0]:
-        q = queries[t]
-        lo, hi = 0, src.shape[0]
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if src[mid] < q:
-                lo = mid + 1
-            else:
-                hi = mid
-        found[t] = lo if lo < src.shape[0] and src[lo] == q else -1
+        found[t] = find(src, queries[t])
 
 
 @cuda.jit
@@ -423,15 +429,7 @@ def search_segments(src, qkeys, deltas, table):
     if t < deltas.shape[0] * n:
         k = t // n
         i = t - k * n
-        q = qkeys[i] + deltas[k]
-        lo, hi = 0, src.shape[0]
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if src[mid] < q:
-                lo = mid + 1
-            else:
-                hi = mid
-        table[k, i] = lo if lo < src.shape[0] and src[lo] == q else -1
+        table[k, i] = find(src, qkeys[i] + deltas[k])
 
 
 def _threads():
