@@ -26,23 +26,29 @@ import sys
 
 from tqdm import tqdm
 
+from .state import remember
+
 ENV = "NUMBA_SC_PROGRESS"
-_forced = None  # set_progress's choice: True, False, or None (the environment, then the terminal)
+# set_progress's choice, {"on": True or False} (absent: the environment, then the terminal);
+# kept with the library's other state, so numba_sc.clear_caches() forgets it too
+_FORCED = remember({})
 
 
 def set_progress(on) -> None:
     """Draw bars always (``True``), never (``False``), or as the default says (``None``)."""
-    global _forced
     if on not in (True, False, None):
         raise ValueError(f"on must be True, False or None, got {on!r}")
-    _forced = on
+    if on is None:
+        _FORCED.pop("on", None)
+    else:
+        _FORCED["on"] = on
 
 
 def progress_enabled(stream=None) -> bool:
     """Whether :func:`bar` draws on ``stream`` (default ``sys.stderr``): :func:`set_progress`'s
     choice, else ``$NUMBA_SC_PROGRESS`` (1 or 0), else whether the stream is a terminal."""
-    if _forced is not None:
-        return _forced
+    if "on" in _FORCED:
+        return _FORCED["on"]
     env = os.environ.get(ENV, "").strip()
     if env in ("0", "1"):
         return env == "1"

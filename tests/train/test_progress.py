@@ -7,6 +7,7 @@ import logging
 import numpy as np
 import pytest
 
+import numba_sc as ns
 from numba_sc.__main__ import _new_train_spelling, main
 from numba_sc.core import progress
 from numba_sc.train import run as tr
@@ -188,6 +189,8 @@ def test_the_switches_of_the_bars(capsys, monkeypatch):
     progress.set_progress(False)  # the program's word over the environment's
     try:
         assert not progress.progress_enabled()
+        ns.clear_caches()  # ... kept with the library's state: a reset forgets it
+        assert progress.progress_enabled()
     finally:
         progress.set_progress(None)
     monkeypatch.setenv(progress.ENV, "yes")
