@@ -252,6 +252,87 @@ def rounds_for(reps, block):
     return -(-reps // block)
 
 
+# ------------------------------------------------------------------- peak memory
+def cupy_peak(fn):
+    """The device memory ``fn()`` holds at most from CuPy's default memory pool: a dict
+    with ``peak_bytes`` (the high-water mark of the bytes *allocated* from the pool, i.e.
+    handed out to arrays, during the call), ``before_bytes`` (allocated before it),
+    ``extra_bytes`` (peak - before) and ``after_bytes`` (allocated once it returned, its
+    result still alive; the result is dropped after that).
+
+    Allocated, not reserved: the pool keeps freed blocks cached for reuse (its
+    ``total_bytes()``), and how much it caches depends on what ran before; the bytes in
+    use are what the call needs. That is also what PyTorch's
+    ``torch.cuda.max_memory_allocated()`` counts (not ``max_memory_reserved()``), so
+    :func:`torch_peak` measures spconv the same way. Whatever is alive before the call
+    (the model's weights, the input tensor, maps or plans a library keeps between
+    calls) counts in ``before_bytes`` and so in the peak.
+
+    How: a ``cupy.cuda.memory_hook.MemoryHook`` whose ``malloc_postprocess`` adds each
+    block's ``mem_size`` (the rounded size the pool hands out, the size its
+    ``used_bytes()`` sums) to a running count started at ``used_bytes()``, and whose
+    ``free_postprocess`` subtracts it; the count's maximum is the peak. The hooks are
+    called on every pool allocation and release (CuPy's ``SingleDeviceMemoryPool.malloc``
+    and ``PooledMemory.free``), so no short-lived block is missed, as a sampler would.
+    Memory outside the pool (cuBLAS workspaces, the CUDA context, Numba's own
+    allocations, if any) is not counted. The device is synchronized before and after.
+    """
+    import cupy
+    from cupy.cuda import memory_hook
+
+    pool = cupy.get_default_memory_pool()
+    device = cupy.cuda.runtime.getDevice()
+
+    class Peak(memory_hook.MemoryHook):
+        name = "numba_sc_benchmark_peak"
+
+        def __init__(self, start):
+            self.used = self.peak = start
+
+        def malloc_postprocess(self, **kw):
+            if kw["device_id"] == device and kw["mem_ptr"]:
+                self.used += kw["mem_size"]
+                self.peak = max(self.peak, self.used)
+
+        def free_postprocess(self, **kw):
+            if kw["device_id"] == device:
+                self.used -= kw["mem_size"]
+
+    sync()
+    before = int(pool.used_bytes())
+    hook = Peak(before)
+    with hook:
+        result = fn()
+        sync()
+    after = int(pool.used_bytes())
+    del result
+    peak = max(hook.peak, after)
+    return {"peak_bytes": peak, "before_bytes": before, "extra_bytes": peak - before, "after_bytes": after,
+            "allocator": "cupy default memory pool"}
+
+
+def torch_peak(fn):
+    """:func:`cupy_peak` for PyTorch's caching allocator (spconv's tensors): ``peak_bytes``
+    is ``torch.cuda.max_memory_allocated()`` after ``torch.cuda.reset_peak_memory_stats()``
+    (bytes allocated to tensors, not the allocator's reserved cache), ``before_bytes``
+    ``torch.cuda.memory_allocated()`` before the call (weights, inputs: counted in the
+    peak), ``extra_bytes`` peak - before and ``after_bytes`` as there."""
+    import torch
+
+    sync()
+    torch.cuda.synchronize()
+    before = int(torch.cuda.memory_allocated())
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    sync()
+    torch.cuda.synchronize()
+    peak = int(torch.cuda.max_memory_allocated())
+    after = int(torch.cuda.memory_allocated())
+    del result
+    return {"peak_bytes": peak, "before_bytes": before, "extra_bytes": peak - before, "after_bytes": after,
+            "allocator": "torch caching allocator"}
+
+
 # ------------------------------------------------------------------- the record
 def _without_note(argv):
     """The command line less its --note (the note is recorded on its own)."""
