@@ -25,7 +25,16 @@ For each network x cloud x dtype:
    it again, one that reused a map reuses it), interleaved the same way, and
    summed by kind: stem, submanifold (map built), submanifold (map reused),
    strided, transposed, 1x1x1 (shortcuts), BatchNorm (+ReLU, +residual add),
-   classifier.
+   classifier. Each layer row also holds ``flops`` and ``bytes``, the napkin work of
+   our call (``roofline.layer_napkin``: from the kernel map's pairs, the rows and
+   channels, the weight), and the run measures the device's peaks once (``peaks``
+   in the file: a large cuBLAS GEMM in fp32 and fp16, a large device copy, and the
+   datasheet-style peaks; ``roofline.measured_peaks``; ``--no-peaks`` skips it), so
+   that each kind's achieved TFLOP/s and GB/s are read against the hardware;
+5. with ``--memory``: the peak device memory of one forward pass of each
+   contender (``common.cupy_peak`` for ours, ``common.torch_peak`` for spconv's
+   twins under ``torch.no_grad()``; bytes allocated, weights and input included),
+   in each run's ``memory``. ``--reps 0 --memory`` measures memory alone.
 
 Clouds: SemanticKITTI at 0.05 m, ScanNet and SUN RGB-D at 0.02 m (features:
 the voxel mean of the first four columns), and 1,000,000 random voxels in
@@ -39,7 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import find_data, interleaved, random_coords, recorded, rounds_for, scan_points
+from common import CROPS, SCANS, cupy_peak, find_data, interleaved, random_coords, recorded, rounds_for, scan_points, torch_peak
+from roofline import layer_napkin, measured_peaks
 
 NETS = ("resnet21", "unet42")
 
@@ -128,24 +138,36 @@ KINDS = ["stem", "subm build", "subm reuse", "strided", "transposed", "1x1x1", "
 
 
 def record_ours(model, x):
-    """Run the network once and return, per layer call: (name, kind, replay fn)."""
+    """Run the network once and return, per layer call: (name, kind, replay fn, info), where
+    ``info`` holds ``napkin`` (:func:`roofline.layer_napkin` of the call: its flops and
+    bytes) and, for BatchNorm, ``residual`` and ``relu``."""
     from numba_sc import nn
 
     seen_maps, calls = set(), []
+
+    def napkin(kind, mod, xin, y, pairs=None, residual=False):
+        weight = getattr(mod, "weight", None) if kind != "batchnorm" else None
+        return layer_napkin(kind, len(xin), len(y), xin.features.shape[1], y.features.shape[1],
+                            np.dtype(xin.features.dtype).itemsize, pairs=pairs,
+                            weight_bytes=0 if weight is None else int(weight.nbytes), residual=residual)
 
     def obs(mod, xin, y, kw):
         name = mod.name
         if isinstance(mod, nn.BatchNorm):
             res, relu = kw.get("residual"), kw.get("relu", False)
             calls.append((name, "batchnorm", lambda m=mod, a=xin, r=res, z=relu: m(a, residual=r, relu=z),
-                          {"residual": res is not None, "relu": bool(relu)}))
+                          {"residual": res is not None, "relu": bool(relu),
+                           "napkin": napkin("batchnorm", mod, xin, y, residual=res is not None)}))
         elif isinstance(mod, nn.Linear):
-            calls.append((name, "classifier", lambda m=mod, a=xin: m(a), {}))
+            calls.append((name, "classifier", lambda m=mod, a=xin: m(a), {"napkin": napkin("classifier", mod, xin, y)}))
         elif isinstance(mod, nn.SparseInverseConv3d):
-            calls.append((name, "transposed", lambda m=mod, a=xin: m(a), {}))
+            # the transposed map is the strided one read backwards: the same pairs
+            pairs = int(y.kernel_map.host_counts().sum())
+            calls.append((name, "transposed", lambda m=mod, a=xin: m(a),
+                          {"napkin": napkin("transposed", mod, xin, y, pairs)}))
         elif isinstance(mod, nn.ConvLayer):
             if mod.pointwise:
-                calls.append((name, "1x1x1", lambda m=mod, a=xin: m(a), {}))
+                calls.append((name, "1x1x1", lambda m=mod, a=xin: m(a), {"napkin": napkin("1x1x1", mod, xin, y)}))
                 return
             built = id(y.kernel_map) not in seen_maps
             seen_maps.add(id(y.kernel_map))
@@ -156,8 +178,9 @@ def record_ours(model, x):
             else:
                 kind = "subm build" if built else "subm reuse"
             fresh = built  # a layer that built its map builds it again in the replay
+            pairs = int(y.kernel_map.host_counts().sum())
             calls.append((name, kind, (lambda m=mod, a=xin: m(a.without_maps())) if fresh
-                          else (lambda m=mod, a=xin: m(a)), {}))
+                          else (lambda m=mod, a=xin: m(a)), {"napkin": napkin(kind, mod, xin, y, pairs)}))
 
     with nn.observe(obs):
         model(x)
@@ -284,7 +307,10 @@ def run_one(net, cloud, coords, feats, dtypes, args, out):
             if args.reps > 0:
                 rec["network"] = wall_interleaved(contenders, args.warmup, args.reps, args.block)
             del contenders, y
+            ys = own = None  # (spconv's last output and twin: they would count in its memory's before_bytes)
             free_memory()
+            if args.memory:
+                rec["memory"] = measure_memory(ours, x, twins, tfeats, indices, spatial)
             if args.layers:
                 rec["layers"] = time_layers(ours, x, twins, tfeats, indices, spatial, args)
         except Exception as e:
@@ -295,7 +321,7 @@ def run_one(net, cloud, coords, feats, dtypes, args, out):
         ours = twins = x = None
         free_memory()
         out["runs"].append(rec)
-        report(rec)
+        report(rec, out.get("peaks"))
         Path(args.out).write_text(json.dumps(out, indent=1))
 
 
@@ -375,14 +401,50 @@ def time_layers(ours, x, twins, tfeats, indices, spatial, args):
     free_memory()
     rows = []
     with torch.no_grad():
-        for name, kind, fn, _ in calls:
+        for name, kind, fn, info in calls:
             contenders = {"numba-sc": fn}
             for a, fns in sp.items():
                 if name in fns:
                     contenders[f"spconv {a}"] = fns[name]
             t = wall_interleaved(contenders, 3, args.layer_reps)
-            rows.append({"name": name, "kind": kind, **{k: v["ms"] for k, v in t.items()}})
+            rows.append({"name": name, "kind": kind, **{k: v["ms"] for k, v in t.items()},
+                         "flops": info["napkin"]["flops"], "bytes": info["napkin"]["bytes"]})
     return rows
+
+
+def measure_memory(ours, x, twins, tfeats, indices, spatial):
+    """The peak device memory of one forward pass of each contender: ours on a tensor
+    without maps (every map built inside, as in the timing) under :func:`common.cupy_peak`,
+    each spconv twin under ``torch.no_grad()`` and :func:`common.torch_peak`, with the other
+    twins moved to the host meanwhile (so that only its own weights count in its
+    ``before_bytes``, as only ours' count in ours'). Each record also holds
+    ``other_extra_bytes``: what the other allocator grew by during the call (a check
+    that each side allocates from its own pool: about 0)."""
+    import torch
+    import spconv.pytorch as spconv
+
+    out = {}
+    free_memory()
+    inner = {}
+    outer = torch_peak(lambda: inner.update(cupy_peak(lambda: ours(x.without_maps()))))
+    out["numba-sc"] = {**inner, "other_extra_bytes": outer["extra_bytes"]}
+    for algo, t in twins.items():
+        others = [u for a, u in twins.items() if a != algo]
+        for u in others:
+            u.cpu()
+        free_memory()
+        try:
+            def call(t=t):
+                with torch.no_grad():
+                    return t(spconv.SparseConvTensor(tfeats, indices, spatial, 1))
+            inner = {}
+            outer = cupy_peak(lambda: inner.update(torch_peak(call)))
+            out[f"spconv {algo}"] = {**inner, "other_extra_bytes": outer["extra_bytes"]}
+        finally:
+            for u in others:
+                u.cuda()
+    free_memory()
+    return out
 
 
 def best_spconv(d):
@@ -390,7 +452,14 @@ def best_spconv(d):
     return min(vals) if vals else float("nan")
 
 
-def report(rec):
+def report(rec, peaks=None):
+    if "memory" in rec:
+        m = rec["memory"]
+        print(f"{rec['net']:8} {rec['cloud']:8} {rec['n']:8d} {rec['dtype']:8} peak MB (extra): "
+              + " | ".join(f"{k} {v['peak_bytes'] / 1e6:.1f} ({v['extra_bytes'] / 1e6:.1f})" for k, v in m.items())
+              + f" | ours / best {memory_ratio(m):.2f}", flush=True)
+    if "layers" in rec:
+        report_layers(rec, peaks)
     if "network" not in rec:
         return
     n = rec["network"]
@@ -405,15 +474,33 @@ def report(rec):
           + (f" | spconv own outputs: best {min(own):.2f}" if own else "")
           + (f" | lazy maps {n['numba-sc (maps lazily)']['ms']:.2f}" if "numba-sc (maps lazily)" in n else ""),
           flush=True)
-    if "layers" in rec:
-        sums = {}
-        for r in rec["layers"]:
-            s = sums.setdefault(r["kind"], [0.0, 0.0, 0])
-            s[0] += r["numba-sc"]
-            s[1] += best_spconv(r)
-            s[2] += 1
-        print("    " + " | ".join(f"{k} x{v[2]}: {v[0]:.2f}/{v[1]:.2f} = {v[0] / v[1]:.2f}"
-                                  for k, v in sums.items() if v[1] > 0), flush=True)
+
+
+def memory_ratio(m):
+    """Our peak bytes over the lowest spconv peak of a ``memory`` record."""
+    return m["numba-sc"]["peak_bytes"] / min(v["peak_bytes"] for k, v in m.items() if k.startswith("spconv"))
+
+
+def report_layers(rec, peaks=None):
+    """Per layer kind: ours / best spconv (summed ms) and, where the run measured the
+    peaks, ours' achieved TFLOP/s and GB/s (:func:`roofline.achieved`)."""
+    from roofline import achieved
+
+    sums = {}
+    for r in rec["layers"]:
+        s = sums.setdefault(r["kind"], [0.0, 0.0, 0, 0, 0])
+        s[0] += r["numba-sc"]
+        s[1] += best_spconv(r)
+        s[2] += 1
+        s[3] += r.get("flops", 0)
+        s[4] += r.get("bytes", 0)
+    print("    " + " | ".join(f"{k} x{v[2]}: {v[0]:.2f}/{v[1]:.2f} = {v[0] / v[1]:.2f}"
+                              for k, v in sums.items() if v[1] > 0), flush=True)
+    for k, v in sums.items():
+        if v[0] > 0 and (v[3] or v[4]):
+            a = achieved(v[3], v[4], v[0], rec["dtype"], peaks)
+            pct = f" ({a['pct_flops']:.1f} % of GEMM, {a['pct_bandwidth']:.1f} % of copy)" if peaks else ""
+            print(f"      {k:11s} {a['tflops']:7.2f} TFLOP/s {a['gbps']:8.1f} GB/s{pct}", flush=True)
 
 
 def main():
@@ -423,7 +510,8 @@ def main():
     ap.add_argument("--nets", default=",".join(NETS))
     ap.add_argument("--clouds", default="kitti,scannet,sunrgbd,random")
     ap.add_argument("--dtypes", default="float32,float16")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=20,
+                    help="timed forward passes per contender (0: no network timing, e.g. with --memory alone)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--block", type=int, default=4,
                     help="timed calls per contender and round (fewer: more rounds, finer interleaving)")
@@ -431,12 +519,42 @@ def main():
     ap.add_argument("--compare-lazy", action="store_true",
                     help="also time our model with its maps built layer by layer (maps_up_front=False)")
     ap.add_argument("--layer-reps", type=int, default=20)
+    ap.add_argument("--memory", action="store_true",
+                    help="also the peak device memory of one forward pass of each contender (bytes allocated: "
+                         "CuPy's pool for ours, PyTorch's allocator for spconv), in each run's 'memory'")
+    ap.add_argument("--no-peaks", action="store_true",
+                    help="with --layers: skip measuring the device's GEMM and copy peaks (the roofline's "
+                         "denominators, 'peaks' in the file)")
     ap.add_argument("--diagnose", action="store_true",
                     help="print every convolution's error against spconv (where the networks part)")
     ap.add_argument("--note", default="", help="what code this run measured (goes into 'recorded')")
     args = ap.parse_args()
+    for name in ("reps", "warmup", "layer_reps"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.block < 1:
+        ap.error(f"--block must be >= 1, got {args.block}")
+    if args.layers and args.layer_reps < 1:
+        ap.error("--layers needs --layer-reps >= 1")
+    if args.reps == 0 and not (args.layers or args.memory):
+        ap.error("--reps 0 times nothing: give --memory and/or --layers, or reps > 0")
+    wrong = [c for c in args.clouds.split(",") if c not in (*SCANS, *CROPS, "random")]
+    if wrong:
+        ap.error(f"unknown cloud(s) {wrong}: any of {', '.join((*SCANS, *CROPS, 'random'))}")
+    wrong = [n for n in args.nets.split(",") if n not in NETS]
+    if wrong:
+        ap.error(f"unknown network(s) {wrong}: any of {', '.join(NETS)}")
+    wrong = [d for d in args.dtypes.split(",") if d not in ("float32", "float16")]
+    if wrong:
+        ap.error(f"unknown dtype(s) {wrong}: float32, float16")
     data = find_data(args.data)
-    out = {"runs": [], "reps": args.reps, "warmup": args.warmup, "block": args.block, "recorded": recorded(args.note)}
+    out = {"runs": [], "reps": args.reps, "warmup": args.warmup, "block": args.block, "layer_reps": args.layer_reps,
+           "memory": args.memory, "recorded": recorded(args.note)}
+    if args.layers and not args.no_peaks:  # the roofline's denominators, once per run
+        out["peaks"] = measured_peaks()
+        p = out["peaks"]
+        print(f"peaks: GEMM fp32 {p['gemm_tflops']['float32']:.1f} TFLOP/s, fp16 {p['gemm_tflops']['float16']:.1f} "
+              f"TFLOP/s; copy {p['copy_gbps']:.0f} GB/s (datasheet: {p['datasheet']})", flush=True)
     from numba_sc.core.progress import bar, prints_above_bars  # (after common put the checkout on sys.path)
 
     clouds, nets = args.clouds.split(","), args.nets.split(",")

@@ -74,6 +74,12 @@ than fp32's; reported, never a failure), beside the spread between the two spcon
 algorithms (``*_native_vs_mig``), which is float16's own; ``finite`` says whether
 each side's gradients were finite in that step.
 
+``--memory``: the peak device memory of one step of each contender (the timed step
+functions, once each), recorded per run in ``memory`` (:func:`step_memory`; bytes
+allocated from CuPy's pool for ours and from PyTorch's allocator for spconv, weights,
+inputs and our fp16 step's master weights and gradient buckets included).
+``--reps 0 --memory`` measures memory alone.
+
 No optimizer update is timed (it is the same few element-wise passes on both sides).
 A short table goes to stdout, everything to ``--out``: per run, ``step`` (ms of each
 contender; the fp32 rows' structure is unchanged) and ``ours_over_best`` (ours' step
@@ -88,7 +94,7 @@ import numpy as np
 
 from bench_net import (NETS, build_ours, build_spconv, calibrated_state, free_memory, load_cloud,
                        rel_err_by_coords, spconv_input, spconv_output, wall_interleaved)
-from common import CROPS, SCANS, find_data, recorded
+from common import CROPS, SCANS, cupy_peak, find_data, recorded, torch_peak
 
 DTYPES = ("float32", "float16")
 SPCONV_ALGOS = ("Native", "MaskImplicitGemm")
@@ -208,8 +214,9 @@ def run_one(net, cloud, coords, feats, args, out):
                 setup = dict(state=state, indices=indices, spatial=spatial, lo=lo,
                              tfeats=torch.from_numpy(feats).cuda())
             (run_fp32 if dt == "float32" else run_fp16)(net, coords, feats, setup, args, rec)
-            s = {k: v["ms"] for k, v in rec["step"].items()}
-            rec["ours_over_best"] = s["numba-sc"] / min(s[f"spconv {a}"] for a in SPCONV_ALGOS)
+            if "step" in rec:
+                s = {k: v["ms"] for k, v in rec["step"].items()}
+                rec["ours_over_best"] = s["numba-sc"] / min(s[f"spconv {a}"] for a in SPCONV_ALGOS)
         except Exception as e:  # noqa: BLE001 - a benchmark reports, it does not crash
             rec["error"] = repr(e)
             rec["traceback"] = traceback.format_exc()
@@ -292,7 +299,11 @@ def run_fp32(net, coords, feats, setup, args, rec):
     contenders = {"numba-sc": ours_step, "numba-sc forward only": ours_forward,
                   "spconv Native": sp_step(twins["Native"]),
                   "spconv MaskImplicitGemm": sp_step(twins["MaskImplicitGemm"])}
-    rec["step"] = wall_interleaved(contenders, args.warmup, args.reps)
+    ys = None  # (the correctness pass's spconv output: it would count in spconv's memory)
+    if args.reps > 0:
+        rec["step"] = wall_interleaved(contenders, args.warmup, args.reps)
+    if args.memory:
+        rec["memory"] = step_memory(contenders, twins)
 
 
 def run_fp16(net, coords, feats, setup, args, rec):
@@ -372,9 +383,44 @@ def run_fp16(net, coords, feats, setup, args, rec):
     if mine is not None:
         grad_errors(mine, twins, rec)
     del outs, ys
-    rec["step"] = wall_interleaved(contenders, args.warmup, args.reps)
+    if args.reps > 0:
+        rec["step"] = wall_interleaved(contenders, args.warmup, args.reps)
+    if args.memory:
+        rec["memory"] = step_memory(contenders, twins)
     rec["loss_scale_after"] = {"numba-sc": amp.scaler.scale,
                                **{f"spconv {a}": float(s.get_scale()) for a, s in scalers.items()}}
+
+
+def step_memory(contenders, twins):
+    """The peak device memory of one training step of each contender (``contenders``'
+    ``numba-sc`` and ``spconv <algo>``, the timed step functions): ours under
+    :func:`common.cupy_peak`, each spconv twin under :func:`common.torch_peak`, the other
+    twin moved to the host meanwhile and every twin's ``.grad`` dropped first (so a
+    twin's ``before_bytes`` holds its own weights and the inputs, as ours' does; our
+    float16 step's float32 masters and gradient buckets are ours' own, as a user of the
+    Trainer holds them). ``other_extra_bytes``: what the other allocator grew by (about 0)."""
+    out = {}
+    for t in twins.values():
+        t.zero_grad(set_to_none=True)
+    free_memory()
+    inner = {}
+    outer = torch_peak(lambda: inner.update(cupy_peak(contenders["numba-sc"])))
+    out["numba-sc"] = {**inner, "other_extra_bytes": outer["extra_bytes"]}
+    for algo, t in twins.items():
+        others = [u for a, u in twins.items() if a != algo]
+        for u in others:
+            u.cpu()
+        free_memory()
+        try:
+            inner = {}
+            outer = cupy_peak(lambda: inner.update(torch_peak(contenders[f"spconv {algo}"])))
+            out[f"spconv {algo}"] = {**inner, "other_extra_bytes": outer["extra_bytes"]}
+        finally:
+            t.zero_grad(set_to_none=True)
+            for u in others:
+                u.cuda()
+    free_memory()
+    return out
 
 
 # ------------------------------------------------------------------ output
@@ -386,6 +432,12 @@ def report(rec):
               f"spconv Native {s['spconv Native']:.2f}, MaskImplicitGemm {s['spconv MaskImplicitGemm']:.2f}"
               f"  ours / best {rec['ours_over_best']:.2f}x", flush=True)
     pad = " " * 40
+    if "memory" in rec:
+        m = rec["memory"]
+        best = min(v["peak_bytes"] for k, v in m.items() if k.startswith("spconv"))
+        print(f"{head}  step peak MB (extra): "
+              + ", ".join(f"{k} {v['peak_bytes'] / 1e6:.1f} ({v['extra_bytes'] / 1e6:.1f})" for k, v in m.items())
+              + f"  ours / best {m['numba-sc']['peak_bytes'] / best:.2f}x", flush=True)
     if "loss_scale" in rec:
         after = ", ".join(f"{k} {v:g}" for k, v in rec.get("loss_scale_after", {}).items())
         print(f"{pad}loss scale {rec['loss_scale']:g} (after the timing: {after}); finite: {rec['finite']}")
@@ -423,13 +475,21 @@ def main(argv=None):
     ap.add_argument("--dtypes", default=",".join(DTYPES), type=lambda v: _names(v, DTYPES, "dtype"),
                     help="comma-separated: float32 (plain step), float16 (mixed precision: fp32 masters, "
                          "loss scaling; spconv under torch.autocast with a GradScaler)")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=20, help="timed steps per contender (0: none, with --memory)")
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--memory", action="store_true",
+                    help="also the peak device memory of one training step of each contender (bytes allocated: "
+                         "CuPy's pool for ours, PyTorch's allocator for spconv), in each run's 'memory'")
     ap.add_argument("--out", default="train.json")
     ap.add_argument("--note", default="", help="what code this run measured (goes into 'recorded')")
     args = ap.parse_args(argv)
+    if args.reps < 0 or args.warmup < 0:
+        ap.error(f"--reps and --warmup must be >= 0, got {args.reps} and {args.warmup}")
+    if args.reps == 0 and not args.memory:
+        ap.error("--reps 0 times nothing: give --memory, or reps > 0")
     data = find_data(args.data)
-    out = {"recorded": recorded(args.note), "reps": args.reps, "warmup": args.warmup, "runs": []}
+    out = {"recorded": recorded(args.note), "reps": args.reps, "warmup": args.warmup, "memory": args.memory,
+           "runs": []}
     from numba_sc.core.progress import bar, prints_above_bars  # (after common put the checkout on sys.path)
 
     # A bar over the (cloud, network) runs, on stderr where bars are on (NUMBA_SC_PROGRESS=1 forces
