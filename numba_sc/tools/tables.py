@@ -17,7 +17,7 @@ from __future__ import annotations
 from .results import SPCONV, ratio, times, versus
 
 __all__ = ["TABLES", "ab_map_table", "conv_table", "generalize_table", "ladder_table", "layer_kinds_table", "map_methods_table",
-           "map_table", "network_table", "single_layers_table", "targets_table", "train_curve_table", "train_step_table",
+           "map_table", "network_table", "single_layers_table", "targets37_table", "targets_table", "train_curve_table", "train_step_table",
            "voxelize_table"]
 
 NETS = {"resnet21": "ResNet21", "unet42": "MinkUNet42"}
@@ -227,6 +227,57 @@ def targets_table(r) -> str:
     return _table(["target", "work", "fp32", "fp16", "limit", "rows within"], rows)
 
 
+def _clouds_of(cloud) -> str:
+    """Which set a cloud of the targets belongs to: the ~20k-voxel crops, the 1M random
+    voxels, or the full scans."""
+    return "1M random" if cloud.startswith("random") else "20k crops" if cloud.endswith("_20k") else "full scans"
+
+
+def _range(values, fmt) -> str:
+    """``lo-hi`` of ``values`` in ``fmt``, or one value when both read the same."""
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def targets37_table(r) -> str:
+    """``benchmarks/targets.py --issue 37``: issue #37's targets, one line per target and
+    work (a layer kind: both networks, on one set of clouds), the range of ours / best
+    spconv in each dtype (time, or peak device memory for the memory lines), the limit
+    ("report" where the issue sets none), how many rows meet it, and for a layer kind
+    the roofline of ours: the range of its achieved TFLOP/s and GB/s over the line's rows,
+    with their share of the device's measured GEMM and copy peaks in brackets."""
+    groups = {}
+    for x in r["rows"]:
+        if x["target"] == "layer kind":
+            work = f"{x['work'].split(' (')[0]}, {_clouds_of(x['cloud'])}"
+        else:
+            work = x["work"]
+        groups.setdefault((x["target"], work), {}).setdefault(x["dtype"], []).append(x)
+
+    rows = []
+    for (tgt, work), by_dtype in groups.items():
+        xs = [x for v in by_dtype.values() for x in v]
+        cells = [_range([x["ratio"] for x in by_dtype[d]], "{:.2f}") + "x" if d in by_dtype else ""
+                 for d in ("float32", "float16")]
+        limit = xs[0]["limit"]
+        within = "-" if limit is None else f"{sum(bool(x['met']) for x in xs)} of {len(xs)}"
+        roof = ""
+        if any(x.get("tflops") is not None for x in xs):
+            rs = [x for x in xs if x.get("tflops") is not None]
+            parts = []
+            if any(x["tflops"] > 0 for x in rs):
+                parts.append(f"{_range([x['tflops'] for x in rs], '{:.2f}')} TFLOP/s"
+                             + (f" ({_range([x['pct_flops'] for x in rs], '{:.0f}')} %)"
+                                if all(x.get("pct_flops") is not None for x in rs) else ""))
+            parts.append(f"{_range([x['gbps'] for x in rs], '{:.0f}')} GB/s"
+                         + (f" ({_range([x['pct_bandwidth'] for x in rs], '{:.0f}')} %)"
+                            if all(x.get("pct_bandwidth") is not None for x in rs) else ""))
+            roof = ", ".join(parts)
+        rows.append([tgt, work, *cells, "report" if limit is None else f"{limit:.2f}", within, roof])
+    return _table(["target", "work", "fp32", "fp16", "limit", "rows within", "roofline of ours (% of measured peak)"],
+                  rows)
+
+
 TABLES = {f.__name__: f for f in (network_table, layer_kinds_table, ladder_table, train_step_table, train_curve_table,
                                   map_methods_table, single_layers_table, conv_table, map_table, ab_map_table,
-                                  voxelize_table, generalize_table, targets_table)}
+                                  voxelize_table, generalize_table, targets_table, targets37_table)}
