@@ -37,6 +37,7 @@ from .map.map_step import build_kernel_map
 from .map.method import choose_map_method
 from .gmas.layout import GmasPlan
 from .gmas.plan import build_plan, grouping_report
+from .gmas.workspace import set_workspace, workspace_bytes
 from .coords.output_coords import output_coordinates
 from .tools.trace import Trace, trace
 from .tools.oracle import gradients as check_gradients
@@ -50,5 +51,5 @@ __all__ = [
     "kernel_offsets", "key_delta", "output_coordinates", "pack_keys", "padding_report",
     "resolve_backend", "simulating", "sparse_conv3d", "Trace", "trace", "unpack_keys", "voxelize",
     "models", "nn", "spconv_format", "choose_dataflow", "choose_map_method", "save", "load",
-    "check_gradients", "clear_caches",
+    "check_gradients", "clear_caches", "set_workspace", "workspace_bytes",
 ]

@@ -39,6 +39,7 @@ from ..dataflows.implicit_gemm import implicit_gemm_reference
 from ..gmas import gemm_grouping as gg
 from ..gmas.gather import gather_cuda, gather_reference
 from ..gmas.scatter import scatter_cuda, scatter_reference
+from ..gmas.workspace import window_rows, windows
 
 
 def gather_gemm_scatter(features, weight, plan, tiles=(1, 1), backend=None, init=None, keep_buffer=None,
@@ -53,7 +54,10 @@ def gather_gemm_scatter(features, weight, plan, tiles=(1, 1), backend=None, init
     (|Q|, C_out) features on the backend's side.
 
     ``keep_buffer``: a list that receives the input buffer (its padding rows
-    zeroed), for the weight gradient to read again (:mod:`numba_sc.conv.gradient`).
+    zeroed), for the weight gradient to read again (:mod:`numba_sc.conv.gradient`);
+    it receives nothing when the buffers pass the workspace
+    (:mod:`numba_sc.gmas.workspace`): the layer then runs window by window, and
+    the weight gradient gathers its windows again.
     ``products``: the dtype of the GEMMs' output buffer; default
     :func:`numba_sc.gmas.gemm_grouping.product_dtype` (float32 for fp16 features, so
     that a partial product beyond fp16's range cannot make the sum inf or NaN).
@@ -73,6 +77,17 @@ def gather_gemm_scatter(features, weight, plan, tiles=(1, 1), backend=None, init
     features, weight = to_device(features), to_device(weight)  # no-ops when already there
     if init is None and plan.centre >= 0:
         init = gg.centre_product_cuda(features, weight, plan.centre)
+    row_bytes = features.shape[1] * features.itemsize + c_out * obuf_t.itemsize
+    parts = windows(plan.groups, plan.rows, window_rows(row_bytes))
+    if len(parts) > 1:  # the buffers would pass the workspace: window by window (gmas.workspace)
+        out = init
+        for w in parts:
+            ibuf = gather_cuda(features, plan.in_lists, plan.rows, tiles[0], window=(w.lo, w.hi))
+            obuf = xp.empty((w.hi - w.lo, c_out), dtype=obuf_t)
+            gg.grouped_gemm_cuda(ibuf, weight, w.groups, obuf)
+            out = scatter_cuda(obuf, plan.out_lists, out, n_out, c_out, features.dtype, tiles[1], lo=w.lo)
+            del ibuf, obuf  # back to the pool before the next window takes its buffers
+        return out
     ibuf = gather_cuda(features, plan.in_lists, plan.rows, tiles[0], zero_padding=keep_buffer is not None)
     if keep_buffer is not None:  # training: the weight gradient reads this buffer again
         keep_buffer.append(ibuf)

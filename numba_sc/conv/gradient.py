@@ -87,6 +87,7 @@ from ..core.words import as_words, word_view
 from ..gmas import gemm_grouping as gg
 from ..gmas.autotune import heuristic_tile
 from ..gmas.gather import gather_cuda
+from ..gmas.workspace import window_rows, windows
 from ..map.kernel_map import KernelMap
 from .arguments import check_map_fits, check_weight, launch_rows_for, resolve_tiles
 from .dataflow import gather_gemm_scatter
@@ -161,18 +162,22 @@ def weight_grad_cuda(features, grad_out, plan, K, input_buffer=None, grad_buffer
     products = xp.empty((n_buffered + (plan.centre >= 0), c_in, c_out), dtype=f.dtype)
     if plan.rows:
         item = f.dtype.itemsize
-        # Padding rows zeroed in both buffers (above: why one side is not enough): the
-        # callers' come so, and the ones gathered here are made so.
-        xbuf, gbuf = input_buffer, grad_buffer
-        if xbuf is None:
-            xbuf = gather_cuda(f, plan.in_lists, plan.rows, heuristic_tile(c_in, f.shape[0], item), zero_padding=True)
-        if gbuf is None:
-            gbuf = gather_cuda(g, plan.out_lists, plan.rows, heuristic_tile(c_out, g.shape[0], item),
-                               zero_padding=True)
-        pos = 0
-        for grp in plan.groups:
-            gg.transposed_products_cuda(xbuf, gbuf, grp.start, grp.rows, len(grp.members), products, pos)
-            pos += len(grp.members)
+        tx, tg = heuristic_tile(c_in, f.shape[0], item), heuristic_tile(c_out, g.shape[0], item)
+        # A buffer not handed over is gathered here, window by window when the two
+        # would pass the workspace (numba_sc.gmas.workspace); a split offset's pieces
+        # add into its product.
+        gathered = (c_in if input_buffer is None else 0) + (c_out if grad_buffer is None else 0)
+        for w in windows(plan.groups, plan.rows, window_rows(gathered * item) if gathered else 0):
+            # Padding rows zeroed in both buffers (above: why one side is not enough):
+            # the callers' come so, and the ones gathered here are made so.
+            xbuf = input_buffer[w.lo:w.hi] if input_buffer is not None else \
+                gather_cuda(f, plan.in_lists, plan.rows, tx, zero_padding=True, window=(w.lo, w.hi))
+            gbuf = grad_buffer[w.lo:w.hi] if grad_buffer is not None else \
+                gather_cuda(g, plan.out_lists, plan.rows, tg, zero_padding=True, window=(w.lo, w.hi))
+            for p in w.gemms:
+                gg.transposed_products_cuda(xbuf, gbuf, p.group.start, p.group.rows, len(p.group.members),
+                                            products, p.slot, p.accumulate)
+            del xbuf, gbuf
     if plan.centre >= 0:  # the centre's pairs are (i, i): all the points, in place
         gg.transposed_products_cuda(f, g, 0, f.shape[0], 1, products, n_buffered)
     return place_products_cuda(products, product_slots(plan, K, xp), K)

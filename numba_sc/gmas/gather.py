@@ -199,9 +199,11 @@ def gather_v3(tile: int, tiles: int, word=None):
     per_thread, per_row = np.uint64(tile), np.uint64(tiles)
 
     @cuda.jit
-    def gather_v3_kernel(features, in_masks, buffered, in_slots, buf):
+    def gather_v3_kernel(features, in_masks, buffered, in_slots, lo, span, buf):
         """Input p's rows are ``in_slots[:, p]``, one per set bit of ``in_masks[:, p] &
-        buffered``, in offset order (:class:`numba_sc.gmas.layout.PointLists`)."""
+        buffered``, in offset order (:class:`numba_sc.gmas.layout.PointLists`).
+        Only rows ``lo`` .. ``lo + span - 1`` are written, to ``buf[row - lo]``: a window
+        of the buffer (:mod:`numba_sc.gmas.workspace`; ``lo = 0, span = rows`` is all of it)."""
         t = uint64(cuda.grid(1))
         if t < uint64(features.shape[0]) * per_row:
             p = t // per_row  # neighbouring threads take neighbouring tiles of one point:
@@ -209,9 +211,15 @@ def gather_v3(tile: int, tiles: int, word=None):
             n = 0  # p's entries: its buffered offsets with a pair (the same for all tiles of p)
             for w in range(uint64(in_masks.shape[0])):
                 n += cuda.popc(in_masks[w, p] & buffered[w])
-            if n > 0:
+            hit = False  # has p a row in the window? (at its first row, when the window is everything)
+            for s in range(uint64(n)):
+                row = uint64(in_slots[s, p])
+                if row >= uint64(lo) and row < uint64(lo) + uint64(span):
+                    hit = True
+                    break
+            if hit:
                 # A point with no pair outside the centre (about 2 in 3 of 1M random
-                # voxels in 400^3) has its features never read.
+                # voxels in 400^3), or none in the window, has its features never read.
                 v = cuda.local.array(tile, held)  # fp32 holds fp16 exactly; words are words
                 for c in range(per_thread):
                     v[c] = features[p, c0 + c]
@@ -223,8 +231,9 @@ def gather_v3(tile: int, tiles: int, word=None):
                 # the H100 when this order was chosen).
                 for s in range(uint64(n)):
                     row = uint64(in_slots[s, p])
-                    for c in range(per_thread):
-                        buf[row, c0 + c] = v[c]
+                    if row >= uint64(lo) and row < uint64(lo) + uint64(span):  # in the window
+                        for c in range(per_thread):
+                            buf[row - uint64(lo), c0 + c] = v[c]
 
     return gather_v3_kernel
 
@@ -236,7 +245,7 @@ def gather_v4(tile: int, tiles: int, word=None):
     return gather_v3(tile, tiles, word)
 
 
-def gather_cuda(features, in_lists, rows, tile, zero_padding=False):
+def gather_cuda(features, in_lists, rows, tile, zero_padding=False, window=None):
     """Device version, the library's: one launch of :func:`gather_v4` (v4, or v3
     when a tile is not a whole number of words) for all offsets.
 
@@ -244,10 +253,14 @@ def gather_cuda(features, in_lists, rows, tile, zero_padding=False):
     or a dense (|P|, K) input table, which is packed into lists first.
     ``zero_padding``: zero the padding rows (the weight gradient multiplies two
     buffers' padding rows together, where garbage could be NaN).
+    ``window``: ``(lo, hi)``, gather only buffer rows ``lo .. hi - 1`` into a buffer
+    of ``hi - lo`` rows (:mod:`numba_sc.gmas.workspace`); None: all ``rows``.
     """
     xp = device_xp()
     f = to_device(features)
     in_lists = as_point_lists(in_lists)
+    lo, hi = (0, rows) if window is None else window
+    rows = hi - lo
     # Padding rows stay unwritten on the GPU (saves a memset of the whole buffer).
     # Under the simulator they are zeroed, only so that NumPy never sees garbage
     # that could trip an overflow warning in the fp16 GEMM.
@@ -259,7 +272,7 @@ def gather_cuda(features, in_lists, rows, tile, zero_padding=False):
             src, dst = as_words(f, f.shape[0], per_row, word), as_words(buf, rows, per_row, word)
         tiles = f.shape[1] // tile
         launch(gather_v4(tile_words, tiles, word), f.shape[0] * tiles, src,
-               to_device(in_lists.masks), to_device(in_lists.buffered), to_device(in_lists.slots), dst)
+               to_device(in_lists.masks), to_device(in_lists.buffered), to_device(in_lists.slots), lo, rows, dst)
     return buf
 
 
@@ -286,7 +299,7 @@ def gather_rung(rung: str, features, plan, tile):
                                    tile, buf)
     else:
         gather_v3(tile, f.shape[1] // tile)[blocks, THREADS](f, to_device(lists.masks), to_device(lists.buffered),
-                                                             to_device(lists.slots), buf)
+                                                             to_device(lists.slots), 0, plan.rows, buf)
     return buf
 
 

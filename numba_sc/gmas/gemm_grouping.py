@@ -315,16 +315,21 @@ def matmul_cuda(features, matrix):
     return _product(features, matrix.data.ptr, matrix.shape[1])
 
 
-def transposed_products_cuda(a, b, start, rows, batch, out, out_start=0):
+def transposed_products_cuda(a, b, start, rows, batch, out, out_start=0, accumulate=False):
     """``out[out_start + m] = A_m.T @ B_m`` for m < ``batch``, where ``A_m`` and ``B_m`` are
     the ``rows`` x C row blocks of ``a`` (N, C_a) and ``b`` (N, C_b) starting at row
     ``start + m * rows``; ``out`` (M, C_a, C_b). One strided batched cuBLAS call that
     reads the blocks in place (the weight gradient of a group of offsets: the
-    array library's ``matmul`` of a transposed view copies it first)."""
+    array library's ``matmul`` of a transposed view copies it first).
+    ``accumulate``: add to ``out`` instead (``+=``, cuBLAS's beta = 1), for an
+    offset whose rows come in pieces (:mod:`numba_sc.gmas.workspace`)."""
     if simulating():
         for m in range(batch):
             lo = start + m * rows
-            out[out_start + m] = matmul(np.ascontiguousarray(a[lo:lo + rows].T), b[lo:lo + rows])
+            p = matmul(np.ascontiguousarray(a[lo:lo + rows].T), b[lo:lo + rows])
+            if accumulate:
+                p = (out[out_start + m].astype(np.float32) + p.astype(np.float32)).astype(out.dtype)
+            out[out_start + m] = p
         return out
     cupy, cublas = _gpu()
     ca, cb, item = a.shape[1], b.shape[1], a.itemsize
@@ -335,7 +340,7 @@ def transposed_products_cuda(a, b, start, rows, batch, out, out_start=0):
         cupy.cuda.device.get_cublas_handle(), 0, 1, cb, ca, rows, _ONE_PTR,
         b.data.ptr + start * cb * item, t, cb, rows * cb,
         a.data.ptr + start * ca * item, t, ca, rows * ca,
-        _ZERO_PTR, out.data.ptr + out_start * ca * cb * item, t, cb, ca * cb,
+        _ONE_PTR if accumulate else _ZERO_PTR, out.data.ptr + out_start * ca * cb * item, t, cb, ca * cb,
         batch, _COMPUTE_32F, _GEMM_DEFAULT)
     return out
 

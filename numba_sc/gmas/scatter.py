@@ -170,9 +170,12 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4):
     per_thread, per_row, n_u = np.uint64(tile), np.uint64(tiles), np.uint64(n_lanes)
 
     @cuda.jit
-    def scatter_v3_kernel(obuf, out_masks, buffered, out_slots, has_init, out):
+    def scatter_v3_kernel(obuf, out_masks, buffered, out_slots, lo, span, has_init, out):
         """Output q's rows are ``out_slots[:, q]``, one per set bit of ``out_masks[:, q] &
-        buffered``, in offset order (:class:`numba_sc.gmas.layout.PointLists`)."""
+        buffered``, in offset order (:class:`numba_sc.gmas.layout.PointLists`). Only
+        rows ``lo`` .. ``lo + span - 1`` are added, read from ``obuf[row - lo]``: a window
+        of the buffer (:mod:`numba_sc.gmas.workspace`; ``lo = 0, span = rows`` is all of
+        it); an output with no row in the window keeps ``out`` unread and unwritten."""
         t = uint64(cuda.grid(1))
         if t < uint64(out.shape[0]) * per_row:
             q = t // per_row  # as in the gather: neighbouring threads, neighbouring tiles
@@ -181,9 +184,15 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4):
             for w in range(uint64(out_masks.shape[0])):
                 n += cuda.popc(out_masks[w, q] & buffered[w])
             # An output without pairs keeps its centre product untouched: no read,
-            # no write (most of a sparse cloud's points); without a centre
-            # product it gets its zeros.
-            if n > 0 or not has_init:
+            # no write (most of a sparse cloud's points), and so does one without a
+            # row in the window; without a centre product it gets its zeros.
+            hit = not has_init
+            for s in range(uint64(n)):
+                row = uint64(out_slots[s, q])
+                if hit or (row >= uint64(lo) and row < uint64(lo) + uint64(span)):
+                    hit = True
+                    break
+            if hit:
                 acc = cuda.local.array(channels, float32)  # fp32 accumulator, fp16 data or not
                 if has_init:
                     # ``out`` already holds the centre product: start from it (the
@@ -197,10 +206,11 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4):
                         acc[c] = float32(0.0)
                 for s in range(uint64(n)):  # offset order: the same sum, run after run
                     row = uint64(out_slots[s, q])
-                    for c in range(per_thread):
-                        x = obuf[row, c0 + c]
-                        for m in range(n_u):
-                            acc[c * n_u + m] += lane(x, m)
+                    if row >= uint64(lo) and row < uint64(lo) + uint64(span):  # in the window
+                        for c in range(per_thread):
+                            x = obuf[row - uint64(lo), c0 + c]
+                            for m in range(n_u):
+                                acc[c * n_u + m] += lane(x, m)
                 for c in range(per_thread):
                     out[q, c0 + c] = packed(acc, c * n_u)  # the tile's only write: no atomics
 
@@ -214,14 +224,16 @@ def scatter_v4(tile: int, tiles: int, word=None, itemsize: int = 4):
     return scatter_v3(tile, tiles, word, itemsize)
 
 
-def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=None, tile=1):
+def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=None, tile=1, lo=0):
     """Device version: one launch of :func:`scatter_v4` (v4, or v3 when a tile is not a
     whole number of words).
 
     ``out_lists``: a plan's :class:`~numba_sc.gmas.layout.PointLists` (``plan.out_lists``),
     or a dense (|Q|, K) output table, which is packed into lists first. When
     ``init`` (|Q|, C_out) is given it is used as the output array itself (summed
-    into in place), saving a separate addition.
+    into in place), saving a separate addition. ``lo``: ``obuf`` holds buffer rows
+    ``lo`` .. ``lo + len(obuf) - 1`` only, a window (:mod:`numba_sc.gmas.workspace`);
+    the rows outside it are left for another call.
     """
     xp = device_xp()
     out_lists = as_point_lists(out_lists)
@@ -241,7 +253,7 @@ def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=No
         src, dst = as_words(obuf, obuf.shape[0], per_row, word), as_words(out, n_out, per_row, word)
     launch(scatter_v4(tile_words, tiles, word, out.itemsize), n_out * tiles, src,
            to_device(out_lists.masks), to_device(out_lists.buffered), to_device(out_lists.slots),
-           init is not None, dst)
+           lo, obuf.shape[0], init is not None, dst)
     return out
 
 
@@ -267,7 +279,8 @@ def scatter_rung(rung: str, obuf, plan, init, tile):
                                     to_device(lists.slots), tile, True, out)
     else:
         scatter_v3(tile, out.shape[1] // tile, None, out.itemsize)[blocks, THREADS](
-            obuf, to_device(lists.masks), to_device(lists.buffered), to_device(lists.slots), True, out)
+            obuf, to_device(lists.masks), to_device(lists.buffered), to_device(lists.slots), 0, obuf.shape[0],
+            True, out)
     return out
 
 

@@ -424,10 +424,14 @@ class ConvLayer(Module):
         gradient to read instead of gathering the inputs again (else None)."""
         _check_input(self, x, self.in_channels)
         _check_dtype(self, x, self.weight)
-        kept = [] if current_tape() is not None else None
+        tape = current_tape()
+        kept = [] if tape is not None else None
         y = convolve(x, self.weight, backend=current_backend(), layer=self.name, keep_plan=True,
                   keep_buffer=kept, **kw)
-        return y, (kept or [None])[0]
+        buf = (kept or [None])[0]
+        if buf is not None and not tape.keep_buffer(buf.nbytes):
+            buf = None  # past the tape's share of the workspace: the backward gathers it again
+        return y, buf
 
     def _pointwise(self, x, bk):
         """A 1x1x1 layer of stride 1: ``x.features @ W[0]``, the coordinates kept."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextvars
 
 from ..core.backend import like
+from ..gmas.workspace import workspace_bytes
 
 _TAPE = contextvars.ContextVar("numba_sc_tape", default=None)
 
@@ -58,6 +59,19 @@ class Tape:
         self.steps = []  # (output array, input arrays, backward(g, param_grads) -> input grads)
         self._left = {}
         self._token = None
+        self._played = False
+        self.kept_bytes = 0  # the gathered input buffers the steps hold (see keep_buffer)
+
+    def keep_buffer(self, nbytes: int) -> bool:
+        """Whether a layer may keep a gathered input buffer of ``nbytes`` for its weight
+        gradient (saving a gather in the backward pass): yes while the buffers kept by
+        this tape stay within the workspace (:func:`numba_sc.set_workspace`; unbounded
+        when it is), which counts them. A layer told no gathers again in the backward."""
+        bound = workspace_bytes()
+        if bound and self.kept_bytes + nbytes > bound:
+            return False
+        self.kept_bytes += nbytes
+        return True
 
     def __enter__(self):
         self._token = _TAPE.set(self)
@@ -84,12 +98,20 @@ class Tape:
         if grad.dtype != out.dtype:
             raise TypeError(f"grad is {grad.dtype} but y's features are {out.dtype}: pass "
                             f"grad.astype({out.dtype.name!r})")
+        if self._played:
+            raise RuntimeError("this tape was played back already, and its steps let go of their arrays "
+                               "as they ran: record the forward pass again in a new Tape")
         if not any(step[0] is out for step in self.steps):
             raise ValueError("y was not made by a layer called while this tape was open: run the "
                              "forward pass inside 'with Tape() as tape:'")
         grads = {id(out): grad}
         params = Gradients()
-        for output, inputs, step in reversed(self.steps):
+        # Each step is dropped once it has run, and with it the arrays it held (its
+        # inputs, a kept buffer), as PyTorch frees its graph: the backward pass's
+        # memory falls as it goes instead of holding the whole forward to the end.
+        steps, self.steps, self._played = self.steps, [], True
+        while steps:
+            output, inputs, step = steps.pop()
             g = grads.pop(id(output), None)
             if g is None:  # this layer's output does not reach y
                 continue

@@ -82,3 +82,47 @@ def test_tape_errors(coords):
         y = net(x, backend="reference")
     with pytest.raises(TypeError, match="grad is float64"):
         tape.backward(y, np.ones(y.features.shape))
+
+
+def test_a_tape_plays_back_once_and_lets_go_of_its_steps(coords):
+    net = nn.Sequential(nn.SubMConv3d(4, 2, 3))
+    x = ns.SparseTensor(coords, np.ones((len(coords), 4), np.float32))
+    with nn.Tape() as tape:
+        y = net(x, backend="reference")
+    assert len(tape.steps) == 1
+    tape.backward(y, np.ones_like(y.features))
+    assert tape.steps == []  # each step (and what it held) dropped once it ran
+    with pytest.raises(RuntimeError, match="played back already"):
+        tape.backward(y, np.ones_like(y.features))
+
+
+def test_the_kept_buffers_stay_within_the_workspace(coords):
+    """A layer keeps its gathered input buffer for the weight gradient only while the
+    tape's kept buffers fit the workspace; past it the backward gathers again, and the
+    gradients are the same (the budget changes the memory, not the answer)."""
+    rng = np.random.default_rng(6)
+    net = _Small(rng)
+    net.train()
+    x = ns.SparseTensor(coords, rng.standard_normal((len(coords), 4)).astype(np.float32))
+    target = rng.integers(0, 3, len(coords))
+    got = {}
+    try:
+        for nbytes in (0, 5000):
+            ns.set_workspace(nbytes)
+            with nn.Tape() as tape:
+                y = net(x.without_maps(), backend="cuda")
+            kept = tape.kept_bytes
+            loss, g = cross_entropy(y.features, target, backend="cuda")
+            got[nbytes] = (kept, tape.backward(y, g))
+    finally:
+        ns.set_workspace(None)
+    assert got[0][0] > 5000 >= got[5000][0]  # unbounded: every buffer kept; bounded: what fits
+    for name, want in got[0][1].items():
+        have = to_host(got[5000][1][name])
+        assert np.abs(have - to_host(want)).max() <= 1e-5 * max(1e-3, np.abs(to_host(want)).max()), name
+    t = nn.Tape()
+    ns.set_workspace(100)
+    try:
+        assert t.keep_buffer(60) and not t.keep_buffer(60) and t.kept_bytes == 60
+    finally:
+        ns.set_workspace(None)
