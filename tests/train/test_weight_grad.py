@@ -130,9 +130,9 @@ def test_the_weight_gradient_gathers_g_once_with_the_input_gradient(monkeypatch,
     seen = []
 
     def counting(name, real):
-        def gather(features, lists, rows, tile, zero_padding=False):
+        def gather(features, lists, rows, tile, zero_padding=False, window=None):
             seen.append((name, zero_padding))
-            return real(features, lists, rows, tile, zero_padding)
+            return real(features, lists, rows, tile, zero_padding, window)
         return gather
 
     monkeypatch.setattr(conv_module, "gather_cuda", counting("input gradient", conv_module.gather_cuda))
