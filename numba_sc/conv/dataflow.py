@@ -85,7 +85,8 @@ def gather_gemm_scatter(features, weight, plan, tiles=(1, 1), backend=None, init
             ibuf = gather_cuda(features, plan.in_lists, plan.rows, tiles[0], window=(w.lo, w.hi))
             obuf = xp.empty((w.hi - w.lo, c_out), dtype=obuf_t)
             gg.grouped_gemm_cuda(ibuf, weight, w.groups, obuf)
-            out = scatter_cuda(obuf, plan.out_lists, out, n_out, c_out, features.dtype, tiles[1], lo=w.lo)
+            out = scatter_cuda(obuf, plan.out_lists, out, n_out, c_out, features.dtype, tiles[1], lo=w.lo,
+                               rows=plan.rows)
             del ibuf, obuf  # back to the pool before the next window takes its buffers
         return out
     ibuf = gather_cuda(features, plan.in_lists, plan.rows, tiles[0], zero_padding=keep_buffer is not None)

@@ -172,7 +172,7 @@ def gather_v2(features, in_masks, buffered, in_slots, tile, buf):
 
 
 @cached
-def gather_v3(tile: int, tiles: int, word=None):
+def gather_v3(tile: int, tiles: int, word=None, windowed: bool = False):
     """v3 (``word=None``) and v4 (:func:`gather_v4`): the gather kernel compiled for one tile size, one
     number of tiles per row (channels / tile) and one kind of element.
 
@@ -186,6 +186,10 @@ def gather_v3(tile: int, tiles: int, word=None):
 
     Unsigned index arithmetic then saves the wraparound test of every signed
     index.
+
+    ``windowed`` compiles in the test of each row against a window of the buffer
+    (:mod:`numba_sc.gmas.workspace`: a layer whose buffers would pass the bound runs
+    in windows); a layer run whole gets the kernel without it.
 
     **v4** (``word`` a signed NumPy integer type) moves bytes, not channels: the
     features and the buffer are handed over as word views
@@ -211,12 +215,14 @@ def gather_v3(tile: int, tiles: int, word=None):
             n = 0  # p's entries: its buffered offsets with a pair (the same for all tiles of p)
             for w in range(uint64(in_masks.shape[0])):
                 n += cuda.popc(in_masks[w, p] & buffered[w])
-            hit = False  # has p a row in the window? (at its first row, when the window is everything)
-            for s in range(uint64(n)):
-                row = uint64(in_slots[s, p])
-                if row >= uint64(lo) and row < uint64(lo) + uint64(span):
-                    hit = True
-                    break
+            hit = n > 0
+            if windowed:  # (compiled in or out: a layer run whole tests no row)
+                hit = False  # has p a row in the window?
+                for s in range(uint64(n)):
+                    row = uint64(in_slots[s, p])
+                    if row >= uint64(lo) and row < uint64(lo) + uint64(span):
+                        hit = True
+                        break
             if hit:
                 # A point with no pair outside the centre (about 2 in 3 of 1M random
                 # voxels in 400^3), or none in the window, has its features never read.
@@ -231,18 +237,21 @@ def gather_v3(tile: int, tiles: int, word=None):
                 # the H100 when this order was chosen).
                 for s in range(uint64(n)):
                     row = uint64(in_slots[s, p])
-                    if row >= uint64(lo) and row < uint64(lo) + uint64(span):  # in the window
-                        for c in range(per_thread):
-                            buf[row - uint64(lo), c0 + c] = v[c]
+                    if windowed:
+                        if row < uint64(lo) or row >= uint64(lo) + uint64(span):
+                            continue  # not in the window
+                        row -= uint64(lo)
+                    for c in range(per_thread):
+                        buf[row, c0 + c] = v[c]
 
     return gather_v3_kernel
 
 
-def gather_v4(tile: int, tiles: int, word=None):
+def gather_v4(tile: int, tiles: int, word=None, windowed: bool = False):
     """v4, the library's: :func:`gather_v3` given a word type, so that ``tile`` counts
     8- or 4-byte words (``word=None``, for a tile that is not a whole number of
     words, gives v3)."""
-    return gather_v3(tile, tiles, word)
+    return gather_v3(tile, tiles, word, windowed)
 
 
 def gather_cuda(features, in_lists, rows, tile, zero_padding=False, window=None):
@@ -259,6 +268,7 @@ def gather_cuda(features, in_lists, rows, tile, zero_padding=False, window=None)
     xp = device_xp()
     f = to_device(features)
     in_lists = as_point_lists(in_lists)
+    full = rows
     lo, hi = (0, rows) if window is None else window
     rows = hi - lo
     # Padding rows stay unwritten on the GPU (saves a memset of the whole buffer).
@@ -271,7 +281,7 @@ def gather_cuda(features, in_lists, rows, tile, zero_padding=False, window=None)
         if word is not None:  # the same bytes, as rows of words
             src, dst = as_words(f, f.shape[0], per_row, word), as_words(buf, rows, per_row, word)
         tiles = f.shape[1] // tile
-        launch(gather_v4(tile_words, tiles, word), f.shape[0] * tiles, src,
+        launch(gather_v4(tile_words, tiles, word, (lo, hi) != (0, full)), f.shape[0] * tiles, src,
                to_device(in_lists.masks), to_device(in_lists.buffered), to_device(in_lists.slots), lo, rows, dst)
     return buf
 

@@ -143,7 +143,7 @@ def scatter_v2(obuf, out_masks, buffered, out_slots, tile, has_init, out):
 
 
 @cached
-def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4):
+def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bool = False):
     """v3 (``word=None``) and v4 (:func:`scatter_v4`): the scatter kernel compiled for one tile size and
     one number of tiles per row.
 
@@ -162,6 +162,9 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4):
     (:mod:`numba_sc.core.words`), ``tile`` counts words, and each word is unpacked
     into its ``itemsize``-byte channels to be added: a fp16 tile of 8 channels is
     then two loads per row instead of eight.
+
+    ``windowed`` compiles in the test of each row against a window of the buffer
+    (:mod:`numba_sc.gmas.workspace`); a layer run whole gets the kernel without it.
     """
     n_lanes = lanes(word, itemsize)
     lane, packed = lane_codec(word, itemsize)
@@ -186,12 +189,14 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4):
             # An output without pairs keeps its centre product untouched: no read,
             # no write (most of a sparse cloud's points), and so does one without a
             # row in the window; without a centre product it gets its zeros.
-            hit = not has_init
-            for s in range(uint64(n)):
-                row = uint64(out_slots[s, q])
-                if hit or (row >= uint64(lo) and row < uint64(lo) + uint64(span)):
-                    hit = True
-                    break
+            hit = n > 0 or not has_init
+            if windowed and has_init:  # (compiled in or out: a layer run whole tests no row)
+                hit = False  # has q a row in the window?
+                for s in range(uint64(n)):
+                    row = uint64(out_slots[s, q])
+                    if row >= uint64(lo) and row < uint64(lo) + uint64(span):
+                        hit = True
+                        break
             if hit:
                 acc = cuda.local.array(channels, float32)  # fp32 accumulator, fp16 data or not
                 if has_init:
@@ -206,34 +211,37 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4):
                         acc[c] = float32(0.0)
                 for s in range(uint64(n)):  # offset order: the same sum, run after run
                     row = uint64(out_slots[s, q])
-                    if row >= uint64(lo) and row < uint64(lo) + uint64(span):  # in the window
-                        for c in range(per_thread):
-                            x = obuf[row - uint64(lo), c0 + c]
-                            for m in range(n_u):
-                                acc[c * n_u + m] += lane(x, m)
+                    if windowed:
+                        if row < uint64(lo) or row >= uint64(lo) + uint64(span):
+                            continue  # not in the window
+                        row -= uint64(lo)
+                    for c in range(per_thread):
+                        x = obuf[row, c0 + c]
+                        for m in range(n_u):
+                            acc[c * n_u + m] += lane(x, m)
                 for c in range(per_thread):
                     out[q, c0 + c] = packed(acc, c * n_u)  # the tile's only write: no atomics
 
     return scatter_v3_kernel
 
 
-def scatter_v4(tile: int, tiles: int, word=None, itemsize: int = 4):
+def scatter_v4(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bool = False):
     """v4, the library's: :func:`scatter_v3` given a word type, so that ``tile`` counts
     words, each unpacked into its ``itemsize``-byte channels (``word=None``, for a
     tile that is not a whole number of words, gives v3)."""
-    return scatter_v3(tile, tiles, word, itemsize)
+    return scatter_v3(tile, tiles, word, itemsize, windowed)
 
 
-def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=None, tile=1, lo=0):
+def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=None, tile=1, lo=0, rows=None):
     """Device version: one launch of :func:`scatter_v4` (v4, or v3 when a tile is not a
     whole number of words).
 
     ``out_lists``: a plan's :class:`~numba_sc.gmas.layout.PointLists` (``plan.out_lists``),
     or a dense (|Q|, K) output table, which is packed into lists first. When
     ``init`` (|Q|, C_out) is given it is used as the output array itself (summed
-    into in place), saving a separate addition. ``lo``: ``obuf`` holds buffer rows
-    ``lo`` .. ``lo + len(obuf) - 1`` only, a window (:mod:`numba_sc.gmas.workspace`);
-    the rows outside it are left for another call.
+    into in place), saving a separate addition. ``lo``, ``rows``: ``obuf`` holds buffer
+    rows ``lo`` .. ``lo + len(obuf) - 1`` of the plan's ``rows`` only, a window
+    (:mod:`numba_sc.gmas.workspace`); the rows outside it are left for another call.
     """
     xp = device_xp()
     out_lists = as_point_lists(out_lists)
@@ -251,7 +259,8 @@ def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=No
     src, dst = obuf, out
     if word is not None and n_out:  # the same bytes, as rows of words
         src, dst = as_words(obuf, obuf.shape[0], per_row, word), as_words(out, n_out, per_row, word)
-    launch(scatter_v4(tile_words, tiles, word, out.itemsize), n_out * tiles, src,
+    windowed = lo != 0 or (rows is not None and obuf.shape[0] != rows)
+    launch(scatter_v4(tile_words, tiles, word, out.itemsize, windowed), n_out * tiles, src,
            to_device(out_lists.masks), to_device(out_lists.buffered), to_device(out_lists.slots),
            lo, obuf.shape[0], init is not None, dst)
     return out
