@@ -244,21 +244,29 @@ async def _execute(paths: Sequence[Path], jobs: int, timeout: float, on_done) ->
 
     async def one(path):
         async with gate:
-            nb = nbformat.read(path, as_version=4)
-            # The kernel's own log at ERROR: each would otherwise print ipykernel's warning
-            # that it talks to this process over TCP on localhost (Jupyter's default too).
-            # The notebook's warnings and errors are outputs, not log lines: they stay.
-            # record_timing=False: no timestamps in the cells' metadata, which the cache's
-            # match of a notebook against its source would see as a change.
-            client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
-                                             extra_arguments=["--IPKernelApp.log_level=ERROR"],
-                                             resources={"metadata": {"path": str(path.parent)}})
             t0 = time.perf_counter()
-            raised = None
-            try:
-                await client.async_execute()
-            except Exception as err:  # a cell's error, a timeout, a kernel that died: all reported
-                raised = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+            # A kernel that fails to start (two kernels started at once can pick the same
+            # free port: "Address already in use", then "Kernel didn't respond") is not the
+            # notebook's fault: it gets a fresh kernel, up to twice. A notebook that ran any
+            # cell keeps its error.
+            for attempt in range(3):
+                nb = nbformat.read(path, as_version=4)
+                # The kernel's own log at ERROR: each would otherwise print ipykernel's warning
+                # that it talks to this process over TCP on localhost (Jupyter's default too).
+                # The notebook's warnings and errors are outputs, not log lines: they stay.
+                # record_timing=False: no timestamps in the cells' metadata, which the cache's
+                # match of a notebook against its source would see as a change.
+                client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                                                 extra_arguments=["--IPKernelApp.log_level=ERROR"],
+                                                 resources={"metadata": {"path": str(path.parent)}})
+                raised = None
+                try:
+                    await client.async_execute()
+                except Exception as err:  # a cell's error, a timeout, a kernel that died: all reported
+                    raised = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+                started = any(c.get("execution_count") for c in nb.cells if c.get("cell_type") == "code")
+                if raised is None or started or first_error(nb):
+                    break
             error = first_error(nb) or raised
             on_done(path, nb, time.perf_counter() - t0, error)
 

@@ -155,3 +155,24 @@ def test_the_command_refuses_an_unknown_notebook(tmp_path, capsys):
     assert "--only '99' names no notebook of the book" in capsys.readouterr().err
     assert not (tmp_path / "site").exists()  # refused before anything was written
 
+
+
+def test_a_kernel_that_fails_to_start_is_started_again(project, monkeypatch):
+    """A kernel start that fails before any cell ran (two kernels on one port) is retried
+    with a fresh kernel; the notebook then runs as if nothing happened."""
+    import nbclient
+
+    root, _ = project
+    nbs, cache_dir = root / "notebooks", root / "site" / book.CACHE
+    write_notebook(nbs, "01_idea", "1. The idea", code="print(1 + 1)")
+    real, failed = nbclient.NotebookClient.async_execute, []
+
+    async def flaky(self, *a, **k):
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("Kernel didn't respond in 60 seconds")
+        return await real(self, *a, **k)
+
+    monkeypatch.setattr(nbclient.NotebookClient, "async_execute", flaky)
+    runs = book.execute_notebooks([nbs / "01_idea.ipynb"], cache_dir, jobs=1, timeout=120, report=lambda s: None)
+    assert failed and runs[0].ok, runs[0].error
