@@ -171,6 +171,23 @@ def gather_v2(features, in_masks, buffered, in_slots, tile, buf):
                 buf[row, c0 + c] = features[p, c0 + c]
 
 
+@cuda.jit(device=True, inline=True)
+def in_window(row, lo, span):
+    """Whether buffer row ``row`` lies in the window ``lo .. lo + span - 1``
+    (:mod:`numba_sc.gmas.workspace`), all three unsigned."""
+    return row >= lo and row < lo + span
+
+
+@cuda.jit(device=True, inline=True)
+def has_row_in_window(slots, n, p, lo, span):
+    """Whether any of point p's ``n`` rows (``slots[:n, p]``) lies in the window: the
+    gather reads p's features, and the scatter touches output p, only if one does."""
+    for s in range(n):
+        if in_window(uint64(slots[s, p]), lo, span):
+            return True
+    return False
+
+
 @cached
 def gather_v3(tile: int, tiles: int, word=None, windowed: bool = False):
     """v3 (``word=None``) and v4 (:func:`gather_v4`): the gather kernel compiled for one tile size, one
@@ -217,12 +234,7 @@ def gather_v3(tile: int, tiles: int, word=None, windowed: bool = False):
                 n += cuda.popc(in_masks[w, p] & buffered[w])
             hit = n > 0
             if windowed:  # (compiled in or out: a layer run whole tests no row)
-                hit = False  # has p a row in the window?
-                for s in range(uint64(n)):
-                    row = uint64(in_slots[s, p])
-                    if row >= uint64(lo) and row < uint64(lo) + uint64(span):
-                        hit = True
-                        break
+                hit = has_row_in_window(in_slots, uint64(n), p, uint64(lo), uint64(span))
             if hit:
                 # A point with no pair outside the centre (about 2 in 3 of 1M random
                 # voxels in 400^3), or none in the window, has its features never read.
@@ -238,8 +250,8 @@ def gather_v3(tile: int, tiles: int, word=None, windowed: bool = False):
                 for s in range(uint64(n)):
                     row = uint64(in_slots[s, p])
                     if windowed:
-                        if row < uint64(lo) or row >= uint64(lo) + uint64(span):
-                            continue  # not in the window
+                        if not in_window(row, uint64(lo), uint64(span)):
+                            continue
                         row -= uint64(lo)
                     for c in range(per_thread):
                         buf[row, c0 + c] = v[c]

@@ -69,7 +69,7 @@ from ..core.backend import resolve_backend, to_device, to_host
 from ..core.launch import THREADS, blocks_for, launch
 from ..core.rungs import Ladder, Rung
 from ..core.state import cached
-from .gather import check_tile
+from .gather import check_tile, has_row_in_window, in_window
 from .layout import as_point_lists
 from ..core.words import as_words, lane_codec, lanes, row_words
 
@@ -191,12 +191,7 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
             # row in the window; without a centre product it gets its zeros.
             hit = n > 0 or not has_init
             if windowed and has_init:  # (compiled in or out: a layer run whole tests no row)
-                hit = False  # has q a row in the window?
-                for s in range(uint64(n)):
-                    row = uint64(out_slots[s, q])
-                    if row >= uint64(lo) and row < uint64(lo) + uint64(span):
-                        hit = True
-                        break
+                hit = has_row_in_window(out_slots, uint64(n), q, uint64(lo), uint64(span))
             if hit:
                 acc = cuda.local.array(channels, float32)  # fp32 accumulator, fp16 data or not
                 if has_init:
@@ -212,8 +207,8 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
                 for s in range(uint64(n)):  # offset order: the same sum, run after run
                     row = uint64(out_slots[s, q])
                     if windowed:
-                        if row < uint64(lo) or row >= uint64(lo) + uint64(span):
-                            continue  # not in the window
+                        if not in_window(row, uint64(lo), uint64(span)):
+                            continue
                         row -= uint64(lo)
                     for c in range(per_thread):
                         x = obuf[row, c0 + c]
