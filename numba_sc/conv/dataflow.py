@@ -77,11 +77,10 @@ def gather_gemm_scatter(features, weight, plan, tiles=(1, 1), backend=None, init
     features, weight = to_device(features), to_device(weight)  # no-ops when already there
     if init is None and plan.centre >= 0:
         init = gg.centre_product_cuda(features, weight, plan.centre)
-    row_bytes = features.shape[1] * features.itemsize + c_out * obuf_t.itemsize
-    parts = windows(plan.groups, plan.rows, window_rows(row_bytes))
-    if len(parts) > 1:  # the buffers would pass the workspace: window by window (gmas.workspace)
+    limit = window_rows(features.shape[1] * features.itemsize + c_out * obuf_t.itemsize)
+    if 0 < limit < plan.rows:  # the buffers would pass the workspace: window by window (gmas.workspace)
         out = init
-        for w in parts:
+        for w in windows(plan.groups, plan.rows, limit):
             ibuf = gather_cuda(features, plan.in_lists, plan.rows, tiles[0], window=(w.lo, w.hi))
             obuf = xp.empty((w.hi - w.lo, c_out), dtype=obuf_t)
             gg.grouped_gemm_cuda(ibuf, weight, w.groups, obuf)
