@@ -412,21 +412,21 @@ def time_layers(ours, x, twins, tfeats, indices, spatial, args):
     return rows
 
 
-def measure_memory(ours, x, twins, tfeats, indices, spatial):
-    """The peak device memory of one forward pass of each contender: ours on a tensor
-    without maps (every map built inside, as in the timing) under :func:`common.cupy_peak`,
-    each spconv twin under ``torch.no_grad()`` and :func:`common.torch_peak`, with the other
-    twins moved to the host meanwhile (so that only its own weights count in its
-    ``before_bytes``, as only ours' count in ours'). Each record also holds
-    ``other_extra_bytes``: what the other allocator grew by during the call (a check
-    that each side allocates from its own pool: about 0)."""
-    import torch
-    import spconv.pytorch as spconv
-
+def contender_peaks(ours, twins, twin_call, reset=None):
+    """The peak device memory of one call of each contender: ``ours()`` under
+    :func:`common.cupy_peak`, each spconv twin's ``twin_call(algo)()`` under
+    :func:`common.torch_peak`, with the other twins moved to the host meanwhile (so that
+    only its own weights count in its ``before_bytes``, as only ours' count in ours').
+    ``reset(twin)``: run on every twin first and on each after its call (a training
+    step drops its ``.grad``). Each record also holds ``other_extra_bytes``: what the
+    other allocator grew by during the call (a check that each side allocates from its
+    own pool: about 0)."""
     out = {}
+    for t in twins.values() if reset else ():
+        reset(t)
     free_memory()
     inner = {}
-    outer = torch_peak(lambda: inner.update(cupy_peak(lambda: ours(x.without_maps()))))
+    outer = torch_peak(lambda: inner.update(cupy_peak(ours)))
     out["numba-sc"] = {**inner, "other_extra_bytes": outer["extra_bytes"]}
     for algo, t in twins.items():
         others = [u for a, u in twins.items() if a != algo]
@@ -434,17 +434,31 @@ def measure_memory(ours, x, twins, tfeats, indices, spatial):
             u.cpu()
         free_memory()
         try:
-            def call(t=t):
-                with torch.no_grad():
-                    return t(spconv.SparseConvTensor(tfeats, indices, spatial, 1))
             inner = {}
-            outer = cupy_peak(lambda: inner.update(torch_peak(call)))
+            outer = cupy_peak(lambda: inner.update(torch_peak(twin_call(algo))))
             out[f"spconv {algo}"] = {**inner, "other_extra_bytes": outer["extra_bytes"]}
         finally:
+            if reset:
+                reset(t)
             for u in others:
                 u.cuda()
     free_memory()
     return out
+
+
+def measure_memory(ours, x, twins, tfeats, indices, spatial):
+    """:func:`contender_peaks` of one forward pass: ours on a tensor without maps (every
+    map built inside, as in the timing), each twin under ``torch.no_grad()``."""
+    import torch
+    import spconv.pytorch as spconv
+
+    def twin_call(algo):
+        def call():
+            with torch.no_grad():
+                return twins[algo](spconv.SparseConvTensor(tfeats, indices, spatial, 1))
+        return call
+
+    return contender_peaks(lambda: ours(x.without_maps()), twins, twin_call)
 
 
 def best_spconv(d):

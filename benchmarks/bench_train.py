@@ -92,9 +92,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_net import (NETS, build_ours, build_spconv, calibrated_state, free_memory, load_cloud,
-                       rel_err_by_coords, spconv_input, spconv_output, wall_interleaved)
-from common import CROPS, SCANS, cupy_peak, find_data, recorded, torch_peak
+from bench_net import (NETS, build_ours, build_spconv, calibrated_state, contender_peaks, free_memory,
+                       load_cloud, rel_err_by_coords, spconv_input, spconv_output, wall_interleaved)
+from common import CROPS, SCANS, find_data, recorded
 
 DTYPES = ("float32", "float16")
 SPCONV_ALGOS = ("Native", "MaskImplicitGemm")
@@ -393,34 +393,13 @@ def run_fp16(net, coords, feats, setup, args, rec):
 
 def step_memory(contenders, twins):
     """The peak device memory of one training step of each contender (``contenders``'
-    ``numba-sc`` and ``spconv <algo>``, the timed step functions): ours under
-    :func:`common.cupy_peak`, each spconv twin under :func:`common.torch_peak`, the other
-    twin moved to the host meanwhile and every twin's ``.grad`` dropped first (so a
-    twin's ``before_bytes`` holds its own weights and the inputs, as ours' does; our
-    float16 step's float32 masters and gradient buckets are ours' own, as a user of the
-    Trainer holds them). ``other_extra_bytes``: what the other allocator grew by (about 0)."""
-    out = {}
-    for t in twins.values():
-        t.zero_grad(set_to_none=True)
-    free_memory()
-    inner = {}
-    outer = torch_peak(lambda: inner.update(cupy_peak(contenders["numba-sc"])))
-    out["numba-sc"] = {**inner, "other_extra_bytes": outer["extra_bytes"]}
-    for algo, t in twins.items():
-        others = [u for a, u in twins.items() if a != algo]
-        for u in others:
-            u.cpu()
-        free_memory()
-        try:
-            inner = {}
-            outer = cupy_peak(lambda: inner.update(torch_peak(contenders[f"spconv {algo}"])))
-            out[f"spconv {algo}"] = {**inner, "other_extra_bytes": outer["extra_bytes"]}
-        finally:
-            t.zero_grad(set_to_none=True)
-            for u in others:
-                u.cuda()
-    free_memory()
-    return out
+    ``numba-sc`` and ``spconv <algo>``, the timed step functions), by
+    :func:`bench_net.contender_peaks`, every twin's ``.grad`` dropped first and after its
+    step (so a twin's ``before_bytes`` holds its own weights and the inputs, as ours'
+    does; our float16 step's float32 masters and gradient buckets are ours' own, as a
+    user of the Trainer holds them)."""
+    return contender_peaks(contenders["numba-sc"], twins, lambda algo: contenders[f"spconv {algo}"],
+                           reset=lambda t: t.zero_grad(set_to_none=True))
 
 
 # ------------------------------------------------------------------ output

@@ -71,15 +71,21 @@ def _row(target, work, cloud, voxels, dtype, ours, times, source, limits=None):
             "met": None if limit is None else ours / best <= limit, "source": source}
 
 
-def network_rows(r, source):
+def network_target(cloud):
+    """The #27 target of a network row on ``cloud``: 1M random voxels, or a real scan."""
+    return "network, 1M random" if cloud.startswith("random") else "network, real scan"
+
+
+def network_rows(r, source, target_of=network_target, limits=None):
+    """One row per run's whole network: its target by ``target_of(cloud)``, against
+    ``limits`` (default #27's; :func:`network_rows_37` gives #37's)."""
     rows = []
     for x in r["runs"]:
         if "network" not in x:
             continue
         t = {k: v["ms"] for k, v in x["network"].items() if not k.startswith("(")}
-        target = "network, 1M random" if x["cloud"].startswith("random") else "network, real scan"
-        rows.append(_row(target, f"{NETS[x['net']]} forward", x["cloud"], x["n"], x["dtype"], t["numba-sc"],
-                         {k: v for k, v in t.items() if k.startswith("spconv")}, source))
+        rows.append(_row(target_of(x["cloud"]), f"{NETS[x['net']]} forward", x["cloud"], x["n"], x["dtype"],
+                         t["numba-sc"], {k: v for k, v in t.items() if k.startswith("spconv")}, source, limits))
     return rows
 
 
@@ -121,14 +127,15 @@ def dense_rows(r, source):
     return rows
 
 
-def train_rows(r, source):
+def train_rows(r, source, limits=None):
+    """One row per run's training step, against ``limits`` (default #27's)."""
     rows = []
     for x in r["runs"]:
         if "step" not in x:
             continue
         t = {k: v["ms"] for k, v in x["step"].items()}
         rows.append(_row("training step", f"{NETS[x['net']]} step", x["cloud"], x["n"], x["dtype"], t["numba-sc"],
-                         {k: v for k, v in t.items() if k.startswith("spconv")}, source))
+                         {k: v for k, v in t.items() if k.startswith("spconv")}, source, limits))
     return rows
 
 
@@ -155,14 +162,7 @@ def network_target_37(cloud):
 
 
 def network_rows_37(r, source):
-    rows = []
-    for x in r["runs"]:
-        if "network" not in x:
-            continue
-        t = {k: v["ms"] for k, v in x["network"].items() if not k.startswith("(")}
-        rows.append(_row(network_target_37(x["cloud"]), f"{NETS[x['net']]} forward", x["cloud"], x["n"], x["dtype"],
-                         t["numba-sc"], {k: v for k, v in t.items() if k.startswith("spconv")}, source, LIMITS_37))
-    return rows
+    return network_rows(r, source, network_target_37, LIMITS_37)
 
 
 def layer_rows_37(r, source):
@@ -196,14 +196,7 @@ def layer_rows_37(r, source):
 
 
 def train_rows_37(r, source):
-    rows = []
-    for x in r["runs"]:
-        if "step" not in x:
-            continue
-        t = {k: v["ms"] for k, v in x["step"].items()}
-        rows.append(_row("training step", f"{NETS[x['net']]} step", x["cloud"], x["n"], x["dtype"], t["numba-sc"],
-                         {k: v for k, v in t.items() if k.startswith("spconv")}, source, LIMITS_37))
-    return rows
+    return train_rows(r, source, LIMITS_37)
 
 
 def memory_rows(target, what):
