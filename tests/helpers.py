@@ -215,6 +215,25 @@ class Stopped(Exception):
     """Stands for a run stopped (killed, crashed) right after a checkpoint was written."""
 
 
+def write_labelled_crops(root, count, spacing, size):
+    """``count`` crops of the shared SemanticKITTI scan written to ``root`` as
+    ``crop{i}.bin`` / ``crop{i}.label``: the ``size`` points nearest (in the max norm)
+    the ``i * spacing``-th labelled point, a folder of scans for the training tests."""
+    from numba_sc.train.labels import IGNORE_INDEX, learning_map
+
+    from conftest import DATA_DIR
+
+    points = load_scan("semantickitti")
+    raw = np.fromfile(DATA_DIR / "semantickitti_000000.label", np.uint32)
+    labelled = np.flatnonzero(learning_map(raw) != IGNORE_INDEX)
+    for i in range(count):
+        centre = points[labelled[i * spacing], :3]
+        keep = np.argsort(np.abs(points[:, :3] - centre).max(axis=1), kind="stable")[:size]
+        points[keep].tofile(root / f"crop{i}.bin")
+        raw[keep].tofile(root / f"crop{i}.label")
+    return root
+
+
 def stop_after_first_checkpoint(main, argv, monkeypatch):
     """Run the command line ``main(argv)`` (``numba-sc train ... --save``) until it has
     written its first checkpoint, and stop it there, as a kill would: what a later

@@ -29,14 +29,19 @@ class _Small(nn.Module):
         return self.head(nn.cat(s, a))
 
 
-def test_tape_through_a_network_kernels_reference_and_finite_differences(coords):
-    """The tape's gradients: kernels == reference for every parameter and the input;
-    the reference against a central difference of the loss along a random direction."""
-    rng = np.random.default_rng(4)
+def _small_case(coords, seed):
+    """(net in training mode, its input, three-class targets) on the crop, from ``seed``."""
+    rng = np.random.default_rng(seed)
     net = _Small(rng)
     net.train()
     x = ns.SparseTensor(coords, rng.standard_normal((len(coords), 4)).astype(np.float32))
-    target = rng.integers(0, 3, len(coords))
+    return net, x, rng.integers(0, 3, len(coords))
+
+
+def test_tape_through_a_network_kernels_reference_and_finite_differences(coords):
+    """The tape's gradients: kernels == reference for every parameter and the input;
+    the reference against a central difference of the loss along a random direction."""
+    net, x, target = _small_case(coords, 4)
     got = {}
     for bk in ("reference", "cuda"):
         with nn.Tape() as tape:
@@ -100,11 +105,7 @@ def test_the_kept_buffers_stay_within_the_workspace(coords):
     """A layer keeps its gathered input buffer for the weight gradient only while the
     tape's kept buffers fit the workspace; past it the backward gathers again, and the
     gradients are the same (the budget changes the memory, not the answer)."""
-    rng = np.random.default_rng(6)
-    net = _Small(rng)
-    net.train()
-    x = ns.SparseTensor(coords, rng.standard_normal((len(coords), 4)).astype(np.float32))
-    target = rng.integers(0, 3, len(coords))
+    net, x, target = _small_case(coords, 6)
     got = {}
     try:
         for nbytes in (0, 5000):

@@ -11,9 +11,9 @@ import numba_sc as ns
 from numba_sc.__main__ import _new_train_spelling, main
 from numba_sc.core import progress
 from numba_sc.train import run as tr
-from numba_sc.train.labels import IGNORE_INDEX, learning_map
 
 from conftest import DATA_DIR, load_scan
+from helpers import write_labelled_crops
 
 QUICK = ["--batch-size", "2", "--width", "0.125", "--workers", "0"]
 
@@ -21,16 +21,7 @@ QUICK = ["--batch-size", "2", "--width", "0.125", "--workers", "0"]
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """Two labelled crops of the shared scan (about 100 points each): a dataset of one batch."""
-    points = load_scan("semantickitti")
-    raw = np.fromfile(DATA_DIR / "semantickitti_000000.label", np.uint32)
-    root = tmp_path_factory.mktemp("tiny")
-    labelled = np.flatnonzero(learning_map(raw) != IGNORE_INDEX)
-    for i in range(2):
-        centre = points[labelled[i * 30000], :3]
-        keep = np.argsort(np.abs(points[:, :3] - centre).max(axis=1), kind="stable")[:100]
-        points[keep].tofile(root / f"crop{i}.bin")
-        raw[keep].tofile(root / f"crop{i}.label")
-    return root
+    return write_labelled_crops(tmp_path_factory.mktemp("tiny"), 2, 30000, 100)
 
 
 def test_fit_for_one_epoch_shows_a_bar_and_prints_the_iou_table(folder, tmp_path, capsys):

@@ -8,25 +8,14 @@ import pytest
 from numba_sc import nn
 from numba_sc.train import data, optim
 from numba_sc.train import run as tr
-from numba_sc.train.labels import IGNORE_INDEX, learning_map
 
-from conftest import DATA_DIR, load_scan
-from helpers import stop_after_first_checkpoint
+from helpers import stop_after_first_checkpoint, write_labelled_crops
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A flat folder of four labelled crops of the shared scan (about 120 points each)."""
-    points = load_scan("semantickitti")
-    raw = np.fromfile(DATA_DIR / "semantickitti_000000.label", np.uint32)
-    root = tmp_path_factory.mktemp("scans")
-    labelled = np.flatnonzero(learning_map(raw) != IGNORE_INDEX)
-    for i in range(4):
-        centre = points[labelled[i * 20000], :3]
-        keep = np.argsort(np.abs(points[:, :3] - centre).max(axis=1), kind="stable")[:120]
-        points[keep].tofile(root / f"crop{i}.bin")
-        raw[keep].tofile(root / f"crop{i}.label")
-    return root
+    return write_labelled_crops(tmp_path_factory.mktemp("scans"), 4, 20000, 120)
 
 
 def _small_model():
