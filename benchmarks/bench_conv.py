@@ -72,7 +72,7 @@ def bench_numba_sc(coords, cin, cout, dtype, args, rec):
     # per stage, on prepared arrays
     f, wd, km2, plan = prepare_layer(x, w, 3, 1, 1, False, km, "cuda")
     ibuf = gather_cuda(f, plan.in_lists, plan.rows, tiles[0])
-    obuf = cupy.empty((plan.rows, cout), dtype=product_dtype(dtype))  # as the layer has it (float32 for fp16)
+    obuf = cupy.empty((plan.rows, cout), dtype=product_dtype(dtype))  # as the layer has it
     init = centre_product_cuda(f, wd, plan.centre) if plan.centre >= 0 else None
     stages = {
         "map": lambda: build_kernel_map(x.coords, 3, backend="cuda", assume_sorted=True, masks=True),

@@ -131,8 +131,9 @@ CASES = [
      (ValueError, r"points has 1 rows with NaN or inf")),
     ("crop around an inf point", lambda: augment.crop(_points(-np.inf), None, np.random.default_rng(0), 5.0),
      (ValueError, r"points has 1 rows with NaN or inf")),
-    # fp16 features through gather-GEMM-scatter: the per-offset products stay in fp32 until summed (they
-    # were fp16: inf - inf = NaN where the other dataflows, summing in fp32 registers, gave 0)
+    # fp16 features through gather-GEMM-scatter: a per-offset product past fp16's range is computed again
+    # in fp32 by the scatter (unguarded it was inf - inf = NaN where the other dataflows, summing in fp32
+    # registers, gave 0)
     ("fp16 gmas, products past fp16, reference", lambda: _fp16_layer("reference"), lambda v: v == [2, 0, 2]),
     ("fp16 gmas, products past fp16, kernels", lambda: _fp16_layer("cuda"), lambda v: v == [2, 0, 2]),
     ("fp16 dataflows agree past fp16", lambda: [_fp16_layer("cuda", d) for d in ("gmas", "fetch", "implicit")],

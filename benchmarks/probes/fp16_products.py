@@ -1,19 +1,21 @@
-"""What keeping fp16 layers' per-offset products in float32 costs: the GMaS step with each buffer.
+"""What fp16 layers' per-offset products cost in float32 against fp16: the GMaS step with each buffer.
 
     . benchmarks/gpu_env.sh; python3 benchmarks/probes/fp16_products.py [--channels 32,64,128]
         [--out benchmarks/results/fp16_products.json]
 
 Issue #33: with float16 features the grouped GEMMs wrote their per-offset products into
 a float16 buffer, so a product beyond 65504 became inf (and inf - inf NaN) where the
-scatter's sum, and the other two dataflows, give a representable value. The library now
-keeps that buffer in float32 (``numba_sc.gmas.gemm_grouping.product_dtype``): cuBLAS reads
-fp16 and writes fp32, the scatter reads fp32 and rounds each output once. The price is
-the buffer's bytes, doubled.
+scatter's sum, and the other two dataflows, give a representable value. Issue #33 kept
+that buffer in float32 (cuBLAS reads fp16 and writes fp32, the scatter reads fp32), which
+doubles the buffer's bytes; issue #37 measured the price on the 1M cloud (MinkUNet42 in
+fp16, 1.4x) and went back to the fp16 buffer with a guard: the scatter computes a product
+it reads as inf or NaN again in fp32 (``numba_sc.gmas.scatter.product_of``). The library's
+rule is ``numba_sc.gmas.gemm_grouping.product_dtype``.
 
 For a 3x3x3 submanifold layer on the SemanticKITTI scan at 0.05 m, C -> C channels for
 each C of ``--channels``, fp16 features, one map and plan built up front, this times the
 GMaS step (centre product, gather, grouped GEMMs, scatter: ``numba_sc.conv.dataflow.gather_gemm_scatter``)
-with the float32 buffer (now) and the float16 one (``products=np.float16``, as before),
+with the float32 buffer (``products=np.float32``, issue #33's) and the float16 one (now),
 interleaved call by call (``common.interleaved``; wall clock between device-wide
 synchronizes, and CUDA events), and the largest difference of the two outputs (they
 agree within fp16 rounding when nothing overflows). The float32 layer is timed beside
@@ -65,7 +67,7 @@ def main():
             x = ns.SparseTensor(cupy.asarray(coords), cupy.asarray(feats.astype(dt)))
             f, w, km, plan = prepare_layer(x, cupy.asarray(weight.astype(dt)), 3, 1, 1, False, None, "cuda")
             tiles = resolve_tiles(None, c, c, f.shape[0], plan.n_out, f.dtype, 27, False)
-            kinds = ([("fp16, fp32 products", None), ("fp16, fp16 products", np.float16)] if dt is np.float16
+            kinds = ([("fp16, fp32 products", np.float32), ("fp16, fp16 products", None)] if dt is np.float16
                      else [("fp32 layer", None)])
             for name, products in kinds:
                 calls[name] = (lambda f=f, w=w, plan=plan, tiles=tiles, products=products:
@@ -90,7 +92,7 @@ def main():
 
 def network_ab(cloud, args):
     """What a user of fp16 meets: MinkUNet42's fp16 forward (eval mode, every map built
-    again each call), with the float32 buffer and with the float16 one as before (the
+    again each call), with the float16 buffer (the library's) and the float32 one (the
     library's ``gemm_grouping.product_dtype`` swapped for the call), interleaved."""
     import cupy
 
@@ -112,7 +114,7 @@ def network_ab(cloud, args):
                 gg.product_dtype = now
         return call
 
-    t = interleaved({"fp32 products": run(now), "fp16 products": run(lambda dt: np.dtype(dt))},
+    t = interleaved({"fp32 products": run(lambda dt: np.promote_types(dt, np.float32)), "fp16 products": run(now)},
                     args.rounds, block=2, warmup=3, timers={"ms": wall_ms})
     rec = {"cloud": cloud, "voxels": int(len(coords)), "net": "MinkUNet42 fp16 forward",
            "ms": {k: v["ms"] for k, v in t.items()}}

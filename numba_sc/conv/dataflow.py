@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.backend import resolve_backend, to_device, to_host
+from ..core.conventions import compute_dtype
 from ..core.device import array_module, device_xp
 from ..dataflows.fetch_driver import fetch_on_demand_cuda, fetch_plan
 from ..dataflows.fetch_on_demand import fetch_on_demand_reference
@@ -59,19 +60,24 @@ def gather_gemm_scatter(features, weight, plan, tiles=(1, 1), backend=None, init
     (:mod:`numba_sc.gmas.workspace`): the layer then runs window by window, and
     the weight gradient gathers its windows again.
     ``products``: the dtype of the GEMMs' output buffer; default
-    :func:`numba_sc.gmas.gemm_grouping.product_dtype` (float32 for fp16 features, so
-    that a partial product beyond fp16's range cannot make the sum inf or NaN).
-    ``np.float16`` gives the fp16 buffer of earlier versions, for timing the two.
+    :func:`numba_sc.gmas.gemm_grouping.product_dtype` (the features' own: in fp16 a
+    product past fp16's range is computed again in fp32 by the scatter, so it cannot
+    make the sum inf or NaN). ``np.float32`` keeps fp16 layers' products in float32
+    (twice the buffer's bytes), for timing the two.
     """
     bk = resolve_backend(backend)
     n_out = plan.n_out
     c_out = weight.shape[2]
     obuf_t = gg.product_dtype(features.dtype) if products is None else np.dtype(products)
-    if bk == "reference":
-        init = gg.matmul(features, weight[plan.centre]) if plan.centre >= 0 else None
+    if bk == "reference":  # products exact in compute_dtype, then as the kernels leave them
+        acc_t = compute_dtype(features.dtype)
+        init = None
+        if plan.centre >= 0:
+            init = np.matmul(features.astype(acc_t), weight[plan.centre].astype(acc_t))
+            init = gg.repaired_products(init, features.dtype)  # cuBLAS writes it in the features' dtype
         ibuf = gather_reference(features, plan.in_table, plan.rows)
-        obuf = np.zeros((plan.rows, c_out), dtype=obuf_t)
-        gg.grouped_gemm_reference(ibuf, weight, plan.groups, obuf)
+        obuf = gg.grouped_gemm_reference(ibuf, weight, plan.groups, np.zeros((plan.rows, c_out), dtype=acc_t))
+        obuf = gg.repaired_products(obuf, obuf_t)
         return scatter_reference(obuf, plan.out_table, init, n_out, c_out, features.dtype)
     xp = device_xp()
     features, weight = to_device(features), to_device(weight)  # no-ops when already there
@@ -79,21 +85,28 @@ def gather_gemm_scatter(features, weight, plan, tiles=(1, 1), backend=None, init
         init = gg.centre_product_cuda(features, weight, plan.centre)
     limit = window_rows(features.shape[1] * features.itemsize + c_out * obuf_t.itemsize)
     if 0 < limit < plan.rows:  # the buffers would pass the workspace: window by window (gmas.workspace)
-        out = init
+        # The running sums stay in fp32 between windows (fp16 features too): rounded to
+        # fp16 after each window they would lose bits, and could overflow where the
+        # layer's output does not.
+        sums_t = compute_dtype(features.dtype)
+        out = None if init is None else init.astype(sums_t, copy=False)
+        centre = plan.centre
         for w in windows(plan.groups, plan.rows, limit):
             ibuf = gather_cuda(features, plan.in_lists, plan.rows, tiles[0], window=(w.lo, w.hi))
             obuf = xp.empty((w.hi - w.lo, c_out), dtype=obuf_t)
             gg.grouped_gemm_cuda(ibuf, weight, w.groups, obuf)
-            out = scatter_cuda(obuf, plan.out_lists, out, n_out, c_out, features.dtype, tiles[1], lo=w.lo,
-                               rows=plan.rows)
+            out = scatter_cuda(obuf, plan.out_lists, out, n_out, c_out, sums_t, tiles[1], lo=w.lo,
+                               rows=plan.rows, repair=(ibuf, weight, features, centre))
+            centre = -1  # from the second window on, ``out`` holds running sums, not the centre product
             del ibuf, obuf  # back to the pool before the next window takes its buffers
-        return out
+        return out.astype(features.dtype, copy=False)
     ibuf = gather_cuda(features, plan.in_lists, plan.rows, tiles[0], zero_padding=keep_buffer is not None)
     if keep_buffer is not None:  # training: the weight gradient reads this buffer again
         keep_buffer.append(ibuf)
     obuf = xp.empty((plan.rows, c_out), dtype=obuf_t)  # padding rows: never read
     gg.grouped_gemm_cuda(ibuf, weight, plan.groups, obuf)
-    return scatter_cuda(obuf, plan.out_lists, init, n_out, c_out, features.dtype, tiles[1])
+    return scatter_cuda(obuf, plan.out_lists, init, n_out, c_out, features.dtype, tiles[1],
+                        repair=(ibuf, weight, features, plan.centre))
 
 
 def weight_order_table(km, transposed):

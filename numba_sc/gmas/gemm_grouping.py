@@ -207,35 +207,48 @@ def matmul(a, b):
 
 
 def product_dtype(dtype) -> np.dtype:
-    """The dtype of the GEMMs' output buffer for features of ``dtype``: float32 for fp16
-    (and fp32) features, float64 for float64.
+    """The dtype of the GEMMs' output buffer for features of ``dtype``: the features'
+    own (float16, float32, float64).
 
-    One output's partial products are summed by the scatter; only that sum is the
-    layer's output. In fp16 a partial product can pass fp16's largest value (65504)
-    while the sum does not: through two offsets ``+40000 * 2`` and ``-40000 * 2`` sum
-    to 0, but an fp16 buffer holds ``+inf`` and ``-inf``, whose sum is NaN. So the
-    products stay in float32 until the scatter has summed them, and are rounded to
-    fp16 once, as the implicit GEMM and fetch-on-demand dataflows do (they accumulate
-    in registers). The price: the buffer's bytes double in fp16 (the GEMMs write and
-    the scatter reads ``4 n C_out`` bytes instead of ``2 n C_out``);
-    ``benchmarks/probes/fp16_products.py`` times it.
+    In fp16 the buffer holds each per-offset product rounded to fp16: the GEMMs write
+    and the scatter reads ``2 n C_out`` bytes where float32 products cost twice that
+    (``benchmarks/probes/fp16_products.py`` times the two on a layer and on MinkUNet42;
+    ``benchmarks/results/fp16_products.json`` holds what it measured). A product that
+    passes fp16's range (65504) while the output does not (``+40000 * 2`` and
+    ``-40000 * 2`` through two offsets sum to 0, where an fp16 buffer holds ``+inf``
+    and ``-inf``) is computed again in fp32 by the scatter
+    (:func:`numba_sc.gmas.scatter.product_of`; the reference:
+    :func:`repaired_products`), so the sum is the one the implicit GEMM and
+    fetch-on-demand dataflows give (they accumulate in registers).
     """
-    return np.promote_types(np.dtype(dtype), np.float32)
+    return np.dtype(dtype)
+
+
+def repaired_products(exact, dtype):
+    """The buffer's values as the kernels leave them for the scatter: ``exact`` (fp32)
+    rounded to ``dtype``, except where the rounding overflows (inf or NaN from finite
+    ``exact``): there the fp32 value the scatter computes again. Kept in ``exact``'s
+    dtype, which can hold both."""
+    with np.errstate(over="ignore", invalid="ignore"):  # the overflow is the point
+        rounded = exact.astype(dtype)
+        return np.where(np.isfinite(rounded), rounded.astype(exact.dtype), exact)
 
 
 def grouped_gemm_reference(in_buf, weight, groups, out_buf):
     """One ``np.matmul`` per group: ``out_buf[group rows] = in_buf[group rows] @ W``.
 
     fp16 operands are multiplied in fp32 (fp32 accumulation, as cuBLAS does for
-    half precision) and rounded once, to ``out_buf``'s dtype: not at all for the
-    float32 buffer of :func:`product_dtype`.
+    half precision) and rounded once, to ``out_buf``'s dtype: a product past fp16's
+    range becomes inf there, as cuBLAS writes it (the scatter computes it again,
+    :func:`product_of <numba_sc.gmas.scatter.product_of>`).
     """
     for g in groups:
         a = in_buf[g.start:g.start + g.padded_rows].reshape(len(g.members), g.rows, -1)
         w = weight[list(g.members)]
         if a.dtype == np.float16:
             a, w = a.astype(np.float32), w.astype(np.float32)
-        out_buf[g.start:g.start + g.padded_rows] = np.matmul(a, w).reshape(g.padded_rows, -1)
+        with np.errstate(over="ignore"):
+            out_buf[g.start:g.start + g.padded_rows] = np.matmul(a, w).reshape(g.padded_rows, -1)
     return out_buf
 
 
@@ -407,8 +420,9 @@ def take_weights_cuda(weight, order):
 def grouped_gemm_cuda(in_buf, weight, groups, out_buf, streams=STREAM_POOL):
     """One batched cuBLAS GEMM per group, round-robin on a pool of ``streams`` streams.
 
-    ``out_buf`` may be float32 for fp16 operands (:func:`product_dtype`): cuBLAS reads
-    fp16, accumulates in fp32 and writes fp32. ``weight`` is on the device. Under the simulator there are no streams: this
+    ``out_buf`` may be float32 for fp16 operands (``products=np.float32`` of
+    :func:`numba_sc.conv.dataflow.gather_gemm_scatter`): cuBLAS reads fp16, accumulates
+    in fp32 and writes fp32. ``weight`` is on the device. Under the simulator there are no streams: this
     falls back to the reference. The pool's first stream is the caller's own;
     the others wait for the work queued before the GEMMs (the gather) through an
     event, and the caller's stream waits for each of them before the scatter, so

@@ -13,11 +13,12 @@ owns its tile of its output, accumulates its partial results in registers and
 writes the tile once. No other thread touches that tile, so there are no atomics
 and the sum is taken in a fixed order (offset order: the order of the output's
 list, :class:`numba_sc.gmas.layout.PointLists`): the result is deterministic, run
-after run. Sums are accumulated in fp32 also for fp16 data, and for fp16 features
-the buffer itself is float32 (:func:`numba_sc.gmas.gemm_grouping.product_dtype`: a
-partial product may pass fp16's range where the sum does not), so each output is
-rounded to fp16 once. A buffer and output of different dtypes are read and written
-channel by channel (v3), not as words.
+after run. Sums are accumulated in fp32 also for fp16 data, so each output is
+rounded to fp16 once. In fp16 the buffer holds each partial result rounded to fp16,
+and one of them may pass fp16's range where the sum does not: the library's launch
+(:func:`scatter_cuda`) compiles in a guard that computes such a value again in fp32
+("the guard of fp16 products" below). A buffer and output of different dtypes are
+read and written channel by channel (v3), not as words.
 
 Worked example, ``C_out = 2``, ``T = 1``, output 3 with rows ``[4, 9]`` (its
 table row ``[4, -1, 9]``)::
@@ -60,11 +61,14 @@ when a centre product is added; an output without pairs is not touched).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import cuda, float32, uint64
 
 from ..core import conventions as cv
-from ..core.device import device_xp
+from ..core.conventions import MASK_BITS
+from ..core.device import device_id, device_xp
 from ..core.backend import resolve_backend, to_device, to_host
 from ..core.launch import THREADS, blocks_for, launch
 from ..core.rungs import Ladder, Rung
@@ -142,8 +146,47 @@ def scatter_v2(obuf, out_masks, buffered, out_slots, tile, has_init, out):
             out[q, c] = acc
 
 
+# --------------------------------------------------- the guard of fp16 products
+# In fp16 the GEMMs round each per-offset product to fp16 as they write the buffer
+# (2 bytes a value instead of 4: the buffer's traffic halves). A product can pass
+# fp16's largest value, 65504, where the output does not: through offsets -1 and +1,
+# 2 * 40000 and 2 * -40000 sum to 0, but the buffer holds +inf and -inf, whose sum is
+# NaN. Such a product is read as inf; the scatter, which sums in fp32, then computes
+# that one product again in fp32 from the row the GEMM multiplied, and adds it. A
+# layer without such products pays one comparison per value. (A NaN or inf that the
+# inputs themselves carry is computed again too, and stays what it was.)
+@cuda.jit(device=True, inline=True)
+def is_finite(v):
+    """Whether float ``v`` is neither inf nor NaN."""
+    return not (math.isinf(v) or math.isnan(v))
+
+
+@cuda.jit(device=True, inline=True)
+def nth_offset(masks, buffered, q, s):
+    """The offset of point q's entry ``s``: the ``s``-th set bit (from 0) of its
+    ``masks & buffered`` (:class:`numba_sc.gmas.layout.PointLists`)."""
+    for w in range(masks.shape[0]):
+        bits = masks[w, q] & buffered[w]
+        for b in range(MASK_BITS):
+            if (bits >> b) & 1:
+                if s == 0:
+                    return w * MASK_BITS + b
+                s -= 1
+    return -1
+
+
+@cuda.jit(device=True, inline=True)
+def product_of(rows, r, weight, k, c):
+    """``rows[r] @ weight[k][:, c]`` in fp32: one value of a per-offset product."""
+    acc = float32(0.0)
+    for i in range(rows.shape[1]):
+        acc += float32(rows[r, i]) * float32(weight[k, i, c])
+    return acc
+
+
 @cached
-def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bool = False):
+def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bool = False,
+               repair: bool = False):
     """v3 (``word=None``) and v4 (:func:`scatter_v4`): the scatter kernel compiled for one tile size and
     one number of tiles per row.
 
@@ -165,6 +208,12 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
 
     ``windowed`` compiles in the test of each row against a window of the buffer
     (:mod:`numba_sc.gmas.workspace`); a layer run whole gets the kernel without it.
+
+    ``repair`` compiles in the guard of fp16 products (:func:`product_of` says why): a
+    product read as inf or NaN is computed again in fp32 from the gathered row it
+    came from (``ibuf``) and its offset's weight; the centre product in ``out``
+    likewise, from ``features`` and ``weight[centre]`` (``centre < 0``: not a centre
+    product, left as it is). Without it those four arguments are never read.
     """
     n_lanes = lanes(word, itemsize)
     lane, packed = lane_codec(word, itemsize)
@@ -173,7 +222,8 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
     per_thread, per_row, n_u = np.uint64(tile), np.uint64(tiles), np.uint64(n_lanes)
 
     @cuda.jit
-    def scatter_v3_kernel(obuf, out_masks, buffered, out_slots, lo, span, has_init, out):
+    def scatter_v3_kernel(obuf, out_masks, buffered, out_slots, lo, span, has_init, out,
+                          ibuf, weight, features, centre):
         """Output q's rows are ``out_slots[:, q]``, one per set bit of ``out_masks[:, q] &
         buffered``, in offset order (:class:`numba_sc.gmas.layout.PointLists`). Only
         rows ``lo`` .. ``lo + span - 1`` are added, read from ``obuf[row - lo]``: a window
@@ -192,15 +242,22 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
             hit = n > 0 or not has_init
             if windowed and has_init:  # (compiled in or out: a layer run whole tests no row)
                 hit = has_row_in_window(out_slots, uint64(n), q, uint64(lo), uint64(span))
-            if hit:
+            # The guard reads every centre product, also where no pair adds to it.
+            check = repair and has_init and centre >= 0
+            if hit or check:
                 acc = cuda.local.array(channels, float32)  # fp32 accumulator, fp16 data or not
+                fixed = False
                 if has_init:
                     # ``out`` already holds the centre product: start from it (the
                     # same order of additions as the reference)
                     for c in range(per_thread):
                         x = out[q, c0 + c]
                         for m in range(n_u):
-                            acc[c * n_u + m] = lane(x, m)
+                            v = lane(x, m)
+                            if check and not is_finite(v):  # the centre's input row is q itself
+                                v = product_of(features, q, weight, centre, (c0 + c) * n_u + m)
+                                fixed = True
+                            acc[c * n_u + m] = v
                 else:
                     for c in range(channels):
                         acc[c] = float32(0.0)
@@ -213,21 +270,28 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
                     for c in range(per_thread):
                         x = obuf[row, c0 + c]
                         for m in range(n_u):
-                            acc[c * n_u + m] += lane(x, m)
-                for c in range(per_thread):
-                    out[q, c0 + c] = packed(acc, c * n_u)  # the tile's only write: no atomics
+                            v = lane(x, m)
+                            if repair and not is_finite(v):  # rare: a product past fp16's range
+                                k = nth_offset(out_masks, buffered, q, s)
+                                v = product_of(ibuf, row, weight, k, (c0 + c) * n_u + m)
+                            acc[c * n_u + m] += v
+                if hit or fixed:
+                    for c in range(per_thread):
+                        out[q, c0 + c] = packed(acc, c * n_u)  # the tile's only write: no atomics
 
     return scatter_v3_kernel
 
 
-def scatter_v4(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bool = False):
+def scatter_v4(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bool = False,
+               repair: bool = False):
     """v4, the library's: :func:`scatter_v3` given a word type, so that ``tile`` counts
     words, each unpacked into its ``itemsize``-byte channels (``word=None``, for a
     tile that is not a whole number of words, gives v3)."""
-    return scatter_v3(tile, tiles, word, itemsize, windowed)
+    return scatter_v3(tile, tiles, word, itemsize, windowed, repair)
 
 
-def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=None, tile=1, lo=0, rows=None):
+def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=None, tile=1, lo=0, rows=None,
+                 repair=None):
     """Device version: one launch of :func:`scatter_v4` (v4, or v3 when a tile is not a
     whole number of words).
 
@@ -237,6 +301,10 @@ def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=No
     into in place), saving a separate addition. ``lo``, ``rows``: ``obuf`` holds buffer
     rows ``lo`` .. ``lo + len(obuf) - 1`` of the plan's ``rows`` only, a window
     (:mod:`numba_sc.gmas.workspace`); the rows outside it are left for another call.
+    ``repair``: ``(ibuf, weight, features, centre)`` for an fp16 buffer, the rows the
+    GEMMs multiplied, the layer's weight, its input features and the submanifold
+    centre (-1 when ``init`` is not the centre product): a product past fp16's range
+    is computed again in fp32 (:func:`product_of`). None: the sums as they are.
     """
     xp = device_xp()
     out_lists = as_point_lists(out_lists)
@@ -255,10 +323,20 @@ def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=No
     if word is not None and n_out:  # the same bytes, as rows of words
         src, dst = as_words(obuf, obuf.shape[0], per_row, word), as_words(out, n_out, per_row, word)
     windowed = lo != 0 or (rows is not None and obuf.shape[0] != rows)
-    launch(scatter_v4(tile_words, tiles, word, out.itemsize, windowed), n_out * tiles, src,
+    guard = repair is not None and obuf.dtype == np.float16
+    # (without the guard the four are never read; not ``dst``: the simulator copies each
+    # argument back after the launch, and a second copy of the output would undo the sums)
+    ibuf, weight, features, centre = repair if guard else (src, _no_weight(device_id()), src, -1)
+    launch(scatter_v4(tile_words, tiles, word, out.itemsize, windowed, guard), n_out * tiles, src,
            to_device(out_lists.masks), to_device(out_lists.buffered), to_device(out_lists.slots),
-           lo, obuf.shape[0], init is not None, dst)
+           lo, obuf.shape[0], init is not None, dst, ibuf, weight, features, centre)
     return out
+
+
+@cached
+def _no_weight(device):
+    """The weight argument of a kernel compiled without the guard (never read), one per device."""
+    return device_xp().zeros((1, 1, 1), np.float32)
 
 
 def scatter_rung(rung: str, obuf, plan, init, tile):
@@ -284,7 +362,7 @@ def scatter_rung(rung: str, obuf, plan, init, tile):
     else:
         scatter_v3(tile, out.shape[1] // tile, None, out.itemsize)[blocks, THREADS](
             obuf, to_device(lists.masks), to_device(lists.buffered), to_device(lists.slots), 0, obuf.shape[0],
-            True, out)
+            True, out, obuf, obuf.reshape(1, *obuf.shape), obuf, -1)  # (the guard's: not compiled in)
     return out
 
 

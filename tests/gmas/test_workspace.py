@@ -182,3 +182,24 @@ def test_the_gradient_in_windows_equals_the_gradient_whole(rng, kind, nbytes):
         scale = max(float(np.abs(b).max()), 1.0)
         np.testing.assert_allclose(a, b, atol=1e-5 * scale, rtol=0)
     assert np.abs(dw1 - np.roll(dw0, 1, axis=0)).max() > 1e-3  # an offset off by one shows
+
+
+def test_fp16_windows_sum_in_fp32_and_repair_products_past_fp16():
+    """Output 1 of three points on a line reads +40000 and -40000 through offsets -1 and +1
+    (weight 2): products of +-80000, past fp16's 65504, in two windows of one row each. Rounded
+    to fp16 between the windows, the first would be inf and stay so; the sum is 0."""
+    line = np.array([[0, 0, 0], [1, 0, 0], [2, 0, 0]], np.int32)
+    x = ns.SparseTensor(line, np.array([[40000], [1], [-40000]], np.float16))
+    w = np.full((27, 1, 1), 2, np.float16)
+    w[13] = 0.5  # the centre: 20000, 0.5, -20000
+    ns.set_workspace(4)  # one buffer row (2 bytes in, 2 out) a window
+    ran = []
+    real = dataflow.gather_cuda
+    try:
+        dataflow.gather_cuda = lambda *a, **k: ran.append(k.get("window")) or real(*a, **k)
+        y = ns.sparse_conv3d(x, w, backend="cuda", dataflow="gmas")
+    finally:
+        dataflow.gather_cuda = real
+    assert len(ran) == 4  # one window per buffer row
+    # 20000 + 2 rounds to 20000 in fp16 (its spacing there is 16); output 1: 0.5 + 80000 - 80000
+    assert ns.core.backend.to_host(y.features).ravel().tolist() == [20000, 0.5, -20000]
