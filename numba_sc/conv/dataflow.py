@@ -63,7 +63,8 @@ def gather_gemm_scatter(features, weight, plan, tiles=(1, 1), backend=None, init
     :func:`numba_sc.gmas.gemm_grouping.product_dtype` (the features' own: in fp16 a
     product past fp16's range is computed again in fp32 by the scatter, so it cannot
     make the sum inf or NaN). ``np.float32`` keeps fp16 layers' products in float32
-    (twice the buffer's bytes), for timing the two.
+    (twice the buffer's bytes), for timing the two. A layer run in windows keeps its
+    running sums, and by default its products, in fp32.
     """
     bk = resolve_backend(backend)
     n_out = plan.n_out
@@ -87,8 +88,16 @@ def gather_gemm_scatter(features, weight, plan, tiles=(1, 1), backend=None, init
     if 0 < limit < plan.rows:  # the buffers would pass the workspace: window by window (gmas.workspace)
         # The running sums stay in fp32 between windows (fp16 features too): rounded to
         # fp16 after each window they would lose bits, and could overflow where the
-        # layer's output does not.
+        # layer's output does not. The products then are fp32 too, so that the scatter
+        # reads and writes whole words of one dtype (v4; fp16 products into fp32 sums
+        # go channel by channel, which measured slower than the wider buffer).
         sums_t = compute_dtype(features.dtype)
+        if products is None and obuf_t != sums_t:
+            obuf_t = sums_t
+            limit = window_rows(features.shape[1] * features.itemsize + c_out * obuf_t.itemsize)
+        if init is not None and sums_t != features.dtype:  # the centre product again, in fp32: one
+            # rounded to fp16 may have overflowed where the output does not
+            init = gg.matmul_cuda(features.astype(sums_t), weight[plan.centre].astype(sums_t))
         out = None if init is None else init.astype(sums_t, copy=False)
         centre = plan.centre
         for w in windows(plan.groups, plan.rows, limit):

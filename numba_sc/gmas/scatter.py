@@ -242,9 +242,12 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
             hit = n > 0 or not has_init
             if windowed and has_init:  # (compiled in or out: a layer run whole tests no row)
                 hit = has_row_in_window(out_slots, uint64(n), q, uint64(lo), uint64(span))
-            # The guard reads every centre product, also where no pair adds to it.
+            # The guard computes a centre product again where pairs add to it (alone, the
+            # centre product is the output: inf there is the output's own overflow); in a
+            # layer's first window it visits every output, whose centre product a later
+            # window, holding running sums, no longer knows.
             check = repair and has_init and centre >= 0
-            if hit or check:
+            if hit or (check and windowed):
                 acc = cuda.local.array(channels, float32)  # fp32 accumulator, fp16 data or not
                 fixed = False
                 if has_init:
