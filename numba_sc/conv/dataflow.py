@@ -82,8 +82,6 @@ def gather_gemm_scatter(features, weight, plan, tiles=(1, 1), backend=None, init
         return scatter_reference(obuf, plan.out_table, init, n_out, c_out, features.dtype)
     xp = device_xp()
     features, weight = to_device(features), to_device(weight)  # no-ops when already there
-    if init is None and plan.centre >= 0:
-        init = gg.centre_product_cuda(features, weight, plan.centre)
     limit = window_rows(features.shape[1] * features.itemsize + c_out * obuf_t.itemsize)
     if 0 < limit < plan.rows:  # the buffers would pass the workspace: window by window (gmas.workspace)
         # The running sums stay in fp32 between windows (fp16 features too): rounded to
@@ -95,20 +93,21 @@ def gather_gemm_scatter(features, weight, plan, tiles=(1, 1), backend=None, init
         if products is None and obuf_t != sums_t:
             obuf_t = sums_t
             limit = window_rows(features.shape[1] * features.itemsize + c_out * obuf_t.itemsize)
-        if init is not None and sums_t != features.dtype:  # the centre product again, in fp32: one
-            # rounded to fp16 may have overflowed where the output does not
-            init = gg.matmul_cuda(features.astype(sums_t), weight[plan.centre].astype(sums_t))
+        if plan.centre >= 0 and (init is None or sums_t != features.dtype):  # in fp16, the centre
+            # product (again) in fp32: one rounded to fp16 may have overflowed where the output does not
+            init = gg.matmul_cuda(features.astype(sums_t, copy=False),
+                                  weight[plan.centre].astype(sums_t, copy=False))
         out = None if init is None else init.astype(sums_t, copy=False)
-        centre = plan.centre
         for w in windows(plan.groups, plan.rows, limit):
             ibuf = gather_cuda(features, plan.in_lists, plan.rows, tiles[0], window=(w.lo, w.hi))
             obuf = xp.empty((w.hi - w.lo, c_out), dtype=obuf_t)
             gg.grouped_gemm_cuda(ibuf, weight, w.groups, obuf)
             out = scatter_cuda(obuf, plan.out_lists, out, n_out, c_out, sums_t, tiles[1], lo=w.lo,
-                               rows=plan.rows, repair=(ibuf, weight, features, centre))
-            centre = -1  # from the second window on, ``out`` holds running sums, not the centre product
+                               rows=plan.rows, repair=(ibuf, weight, features, -1))  # (``out``: fp32)
             del ibuf, obuf  # back to the pool before the next window takes its buffers
         return out.astype(features.dtype, copy=False)
+    if init is None and plan.centre >= 0:
+        init = gg.centre_product_cuda(features, weight, plan.centre)
     ibuf = gather_cuda(features, plan.in_lists, plan.rows, tiles[0], zero_padding=keep_buffer is not None)
     if keep_buffer is not None:  # training: the weight gradient reads this buffer again
         keep_buffer.append(ibuf)

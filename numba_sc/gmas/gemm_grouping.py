@@ -229,6 +229,8 @@ def repaired_products(exact, dtype):
     rounded to ``dtype``, except where the rounding overflows (inf or NaN from finite
     ``exact``): there the fp32 value the scatter computes again. Kept in ``exact``'s
     dtype, which can hold both."""
+    if np.dtype(dtype) == exact.dtype:  # nothing is rounded
+        return exact
     with np.errstate(over="ignore", invalid="ignore"):  # the overflow is the point
         rounded = exact.astype(dtype)
         return np.where(np.isfinite(rounded), rounded.astype(exact.dtype), exact)

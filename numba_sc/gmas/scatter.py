@@ -209,7 +209,8 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
     ``windowed`` compiles in the test of each row against a window of the buffer
     (:mod:`numba_sc.gmas.workspace`); a layer run whole gets the kernel without it.
 
-    ``repair`` compiles in the guard of fp16 products (:func:`product_of` says why): a
+    ``repair`` compiles in the guard of fp16 products (the comment above :func:`is_finite`
+    says why): a
     product read as inf or NaN is computed again in fp32 from the gathered row it
     came from (``ibuf``) and its offset's weight; the centre product in ``out``
     likewise, from ``features`` and ``weight[centre]`` (``centre < 0``: not a centre
@@ -243,13 +244,10 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
             if windowed and has_init:  # (compiled in or out: a layer run whole tests no row)
                 hit = has_row_in_window(out_slots, uint64(n), q, uint64(lo), uint64(span))
             # The guard computes a centre product again where pairs add to it (alone, the
-            # centre product is the output: inf there is the output's own overflow); in a
-            # layer's first window it visits every output, whose centre product a later
-            # window, holding running sums, no longer knows.
+            # centre product is the output: inf there is the output's own overflow).
             check = repair and has_init and centre >= 0
-            if hit or (check and windowed):
+            if hit:
                 acc = cuda.local.array(channels, float32)  # fp32 accumulator, fp16 data or not
-                fixed = False
                 if has_init:
                     # ``out`` already holds the centre product: start from it (the
                     # same order of additions as the reference)
@@ -259,7 +257,6 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
                             v = lane(x, m)
                             if check and not is_finite(v):  # the centre's input row is q itself
                                 v = product_of(features, q, weight, centre, (c0 + c) * n_u + m)
-                                fixed = True
                             acc[c * n_u + m] = v
                 else:
                     for c in range(channels):
@@ -278,9 +275,8 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
                                 k = nth_offset(out_masks, buffered, q, s)
                                 v = product_of(ibuf, row, weight, k, (c0 + c) * n_u + m)
                             acc[c * n_u + m] += v
-                if hit or fixed:
-                    for c in range(per_thread):
-                        out[q, c0 + c] = packed(acc, c * n_u)  # the tile's only write: no atomics
+                for c in range(per_thread):
+                    out[q, c0 + c] = packed(acc, c * n_u)  # the tile's only write: no atomics
 
     return scatter_v3_kernel
 
@@ -306,8 +302,9 @@ def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=No
     (:mod:`numba_sc.gmas.workspace`); the rows outside it are left for another call.
     ``repair``: ``(ibuf, weight, features, centre)`` for an fp16 buffer, the rows the
     GEMMs multiplied, the layer's weight, its input features and the submanifold
-    centre (-1 when ``init`` is not the centre product): a product past fp16's range
-    is computed again in fp32 (:func:`product_of`). None: the sums as they are.
+    centre (-1 when ``init`` is not an fp16 centre product, or there is none): a
+    product past fp16's range is computed again in fp32 (:func:`product_of`). None: the
+    sums as they are.
     """
     xp = device_xp()
     out_lists = as_point_lists(out_lists)
@@ -365,7 +362,7 @@ def scatter_rung(rung: str, obuf, plan, init, tile):
     else:
         scatter_v3(tile, out.shape[1] // tile, None, out.itemsize)[blocks, THREADS](
             obuf, to_device(lists.masks), to_device(lists.buffered), to_device(lists.slots), 0, obuf.shape[0],
-            True, out, obuf, obuf.reshape(1, *obuf.shape), obuf, -1)  # (the guard's: not compiled in)
+            True, out, obuf, _no_weight(device_id()), obuf, -1)  # (the guard's: not compiled in)
     return out
 
 

@@ -203,3 +203,13 @@ def test_fp16_windows_sum_in_fp32_and_repair_products_past_fp16():
     assert len(ran) == 4  # one window per buffer row
     # 20000 + 2 rounds to 20000 in fp16 (its spacing there is 16); output 1: 0.5 + 80000 - 80000
     assert ns.core.backend.to_host(y.features).ravel().tolist() == [20000, 0.5, -20000]
+
+
+@pytest.mark.parametrize("nbytes", [0, 4])  # the layer whole (the guard), and in windows (an fp32 centre)
+def test_an_fp16_centre_product_past_fp16_whole_and_in_windows(nbytes):
+    """Every weight 2: output 0's centre product 2 * 40000 passes 65504, its output 80000 - 60000 does not."""
+    line = np.array([[0, 0, 0], [1, 0, 0], [2, 0, 0]], np.int32)
+    x = ns.SparseTensor(line, np.array([[40000], [-30000], [0]], np.float16))
+    ns.set_workspace(nbytes)
+    y = ns.sparse_conv3d(x, np.full((27, 1, 1), 2, np.float16), backend="cuda", dataflow="gmas")
+    assert ns.core.backend.to_host(y.features).ravel().tolist() == [20000, 20000, -60000]
