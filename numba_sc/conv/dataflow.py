@@ -64,7 +64,7 @@ def gather_gemm_scatter(features, weight, plan, tiles=(1, 1), backend=None, init
     product past fp16's range is computed again in fp32 by the scatter, so it cannot
     make the sum inf or NaN). ``np.float32`` keeps fp16 layers' products in float32
     (twice the buffer's bytes), for timing the two. A layer run in windows keeps its
-    running sums, and by default its products, in fp32.
+    running sums, and its centre product, in fp32.
     """
     bk = resolve_backend(backend)
     n_out = plan.n_out
@@ -86,17 +86,13 @@ def gather_gemm_scatter(features, weight, plan, tiles=(1, 1), backend=None, init
     if 0 < limit < plan.rows:  # the buffers would pass the workspace: window by window (gmas.workspace)
         # The running sums stay in fp32 between windows (fp16 features too): rounded to
         # fp16 after each window they would lose bits, and could overflow where the
-        # layer's output does not. The products then are fp32 too, so that the scatter
-        # reads and writes whole words of one dtype (v4; fp16 products into fp32 sums
-        # go channel by channel, which measured slower than the wider buffer).
+        # layer's output does not. So does the centre product they start from (cuBLAS
+        # writes it in fp32 from the fp16 operands). The products stay fp16: the scatter
+        # reads their words into the fp32 sums, and its guard mends any past fp16's range.
         sums_t = compute_dtype(features.dtype)
-        if products is None and obuf_t != sums_t:
-            obuf_t = sums_t
-            limit = window_rows(features.shape[1] * features.itemsize + c_out * obuf_t.itemsize)
         if plan.centre >= 0 and (init is None or sums_t != features.dtype):  # in fp16, the centre
             # product (again) in fp32: one rounded to fp16 may have overflowed where the output does not
-            init = gg.matmul_cuda(features.astype(sums_t, copy=False),
-                                  weight[plan.centre].astype(sums_t, copy=False))
+            init = gg.centre_product_cuda(features, weight, plan.centre, sums_t)
         out = None if init is None else init.astype(sums_t, copy=False)
         for w in windows(plan.groups, plan.rows, limit):
             ibuf = gather_cuda(features, plan.in_lists, plan.rows, tiles[0], window=(w.lo, w.hi))

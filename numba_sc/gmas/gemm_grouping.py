@@ -314,12 +314,18 @@ _ZERO = np.zeros(1, np.float32)
 _ONE_PTR, _ZERO_PTR = _ONE.ctypes.data, _ZERO.ctypes.data  # (.ctypes builds an object per call)
 
 
-def centre_product_cuda(features, weight, centre):
-    """``features @ weight[centre]`` as one cuBLAS call (the submanifold centre)."""
+def centre_product_cuda(features, weight, centre, dtype=None):
+    """``features @ weight[centre]`` as one cuBLAS call (the submanifold centre), written
+    in ``dtype`` (default: the features'; ``np.float32`` for fp16 features gives the
+    fp32 product that a layer run in windows starts its sums from, with no fp32 copy
+    of the operands: cuBLAS reads fp16 and writes fp32)."""
+    dtype = features.dtype if dtype is None else np.dtype(dtype)
     if simulating():
+        if dtype != features.dtype:  # accumulated in fp32 and kept so: no rounding to fp16
+            return np.matmul(features.astype(dtype), weight[centre].astype(dtype))
         return matmul(features, weight[centre])
     c_in, c_out = weight.shape[1], weight.shape[2]
-    return _product(features, weight.data.ptr + centre * c_in * c_out * weight.itemsize, c_out)
+    return _product(features, weight.data.ptr + centre * c_in * c_out * weight.itemsize, c_out, dtype)
 
 
 def matmul_cuda(features, matrix):
@@ -360,14 +366,16 @@ def transposed_products_cuda(a, b, start, rows, batch, out, out_start=0, accumul
     return out
 
 
-def _product(features, w_ptr, c_out):
-    """(N, C_in) features times the row-major (C_in, C_out) matrix at ``w_ptr``."""
+def _product(features, w_ptr, c_out, dtype=None):
+    """(N, C_in) features times the row-major (C_in, C_out) matrix at ``w_ptr`` (of the
+    features' dtype), written in ``dtype`` (default: the features')."""
     cupy, cublas = _gpu()
     n, c_in = features.shape
-    out = cupy.empty((n, c_out), dtype=features.dtype)
+    out = cupy.empty((n, c_out), dtype=features.dtype if dtype is None else dtype)
     t = _CUDA_TYPE[features.dtype]
     cublas.gemmEx(cupy.cuda.device.get_cublas_handle(), 0, 0, c_out, n, c_in, _ONE_PTR, w_ptr, t, c_out,
-                  features.data.ptr, t, c_in, _ZERO_PTR, out.data.ptr, t, c_out, _COMPUTE_32F, _GEMM_DEFAULT)
+                  features.data.ptr, t, c_in, _ZERO_PTR, out.data.ptr, _CUDA_TYPE[out.dtype], c_out,
+                  _COMPUTE_32F, _GEMM_DEFAULT)
     return out
 
 

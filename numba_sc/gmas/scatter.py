@@ -17,8 +17,9 @@ after run. Sums are accumulated in fp32 also for fp16 data, so each output is
 rounded to fp16 once. In fp16 the buffer holds each partial result rounded to fp16,
 and one of them may pass fp16's range where the sum does not: the library's launch
 (:func:`scatter_cuda`) compiles in a guard that computes such a value again in fp32
-("the guard of fp16 products" below). A buffer and output of different dtypes are
-read and written channel by channel (v3), not as words.
+("the guard of fp16 products" below). A buffer and an output of different dtypes
+(fp16 products into the fp32 sums of a layer run in windows) are read as words too,
+each in its own.
 
 Worked example, ``C_out = 2``, ``T = 1``, output 3 with rows ``[4, 9]`` (its
 table row ``[4, -1, 9]``)::
@@ -151,10 +152,17 @@ def scatter_v2(obuf, out_masks, buffered, out_slots, tile, has_init, out):
 # (2 bytes a value instead of 4: the buffer's traffic halves). A product can pass
 # fp16's largest value, 65504, where the output does not: through offsets -1 and +1,
 # 2 * 40000 and 2 * -40000 sum to 0, but the buffer holds +inf and -inf, whose sum is
-# NaN. Such a product is read as inf; the scatter, which sums in fp32, then computes
-# that one product again in fp32 from the row the GEMM multiplied, and adds it. A
-# layer without such products pays one comparison per value. (A NaN or inf that the
-# inputs themselves carry is computed again too, and stays what it was.)
+# NaN. Such a product is read as inf, and an fp32 sum with an inf or NaN in it is inf
+# or NaN itself (fp16 values cannot overflow an fp32 sum). So the scatter sums as
+# always and looks at its tile's sums once, at the end; only a tile whose sum is not
+# finite is summed again, value by value, each inf or NaN product computed again in
+# fp32 from the row the GEMM multiplied. A layer without such products pays one
+# comparison per channel of its tile. (A NaN or inf that the inputs themselves carry
+# is computed again too, and stays what it was.)
+#
+# Why not test every value as it is read: that puts the fall-back inside the loop the
+# compiler unrolls, and the scatter of MinkUNet42 fp16 on 1M voxels took several times
+# as long (benchmarks/results/scatter_guard.json holds the kernels' times).
 @cuda.jit(device=True, inline=True)
 def is_finite(v):
     """Whether float ``v`` is neither inf nor NaN."""
@@ -186,7 +194,7 @@ def product_of(rows, r, weight, k, c):
 
 @cached
 def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bool = False,
-               repair: bool = False):
+               repair: bool = False, obuf_word="same", obuf_itemsize: int | None = None):
     """v3 (``word=None``) and v4 (:func:`scatter_v4`): the scatter kernel compiled for one tile size and
     one number of tiles per row.
 
@@ -209,8 +217,14 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
     ``windowed`` compiles in the test of each row against a window of the buffer
     (:mod:`numba_sc.gmas.workspace`); a layer run whole gets the kernel without it.
 
+    ``obuf_word``, ``obuf_itemsize``: the buffer's own word and channel size where they
+    differ from the output's (``word``, ``itemsize``, which ``tile`` counts): an fp16
+    buffer added into fp32 sums (the windows of an fp16 layer) is read as 8-byte words
+    of four channels while the sums are read and written as words of two. Either
+    side's channels are unpacked into the same fp32 accumulator.
+
     ``repair`` compiles in the guard of fp16 products (the comment above :func:`is_finite`
-    says why): a
+    says why): a tile whose fp32 sums are not all finite is summed again, and each
     product read as inf or NaN is computed again in fp32 from the gathered row it
     came from (``ibuf``) and its offset's weight; the centre product in ``out``
     likewise, from ``features`` and ``weight[centre]`` (``centre < 0``: not a centre
@@ -219,8 +233,41 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
     n_lanes = lanes(word, itemsize)
     lane, packed = lane_codec(word, itemsize)
     channels = tile * n_lanes  # channels per thread: the accumulator's length
+    if obuf_word == "same":  # the buffer is the output's dtype: the same words
+        obuf_word, obuf_itemsize = word, itemsize
+    in_lanes = lanes(obuf_word, obuf_itemsize)
+    in_lane, _ = lane_codec(obuf_word, obuf_itemsize)
     # unsigned, as in the gather (numba_sc.gmas.gather.gather_v3)
     per_thread, per_row, n_u = np.uint64(tile), np.uint64(tiles), np.uint64(n_lanes)
+    in_per_thread, in_u = np.uint64(channels // in_lanes), np.uint64(in_lanes)  # the buffer's words
+
+    @cuda.jit(device=True, inline=True)
+    def repaired_sum(obuf, out_masks, buffered, out_slots, lo, span, has_init, out, ibuf, weight, features,
+                     centre, q, n, c0, j):
+        """The guard's second pass (``repair``), for channel ``j`` of the tile at word ``c0``
+        of output q: the sum again, value by value, a product read as inf or NaN computed
+        again in fp32 (:func:`product_of`), the centre's from ``features`` (its input row is
+        q itself), the others from their gathered row and their offset (:func:`nth_offset`)."""
+        c, m = j // n_u, j % n_u  # j is channel (c0 + c) * lanes + m of the row
+        channel = (c0 + c) * n_u + m
+        b0 = c0 * n_u // in_u  # the tile's first word of the buffer, and j's word and lane in it
+        bc, bm = j // in_u, j % in_u
+        acc = float32(0.0)
+        if has_init:
+            acc = lane(out[q, c0 + c], m)
+            if centre >= 0 and not is_finite(acc):
+                acc = product_of(features, q, weight, centre, channel)
+        for s in range(n):  # the same offset order as the first pass
+            row = uint64(out_slots[s, q])
+            if windowed:
+                if not in_window(row, uint64(lo), uint64(span)):
+                    continue
+                row -= uint64(lo)
+            v = in_lane(obuf[row, b0 + bc], bm)
+            if not is_finite(v):
+                v = product_of(ibuf, row, weight, nth_offset(out_masks, buffered, q, s), channel)
+            acc += v
+        return acc
 
     @cuda.jit
     def scatter_v3_kernel(obuf, out_masks, buffered, out_slots, lo, span, has_init, out,
@@ -234,6 +281,7 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
         if t < uint64(out.shape[0]) * per_row:
             q = t // per_row  # as in the gather: neighbouring threads, neighbouring tiles
             c0 = (t - q * per_row) * per_thread  # first word (or channel) of this thread's tile
+            b0 = (t - q * per_row) * in_per_thread  # ... and of its tile of the buffer's rows
             n = 0  # q's entries: its buffered offsets with a pair (shared by all tiles of q)
             for w in range(uint64(out_masks.shape[0])):
                 n += cuda.popc(out_masks[w, q] & buffered[w])
@@ -243,9 +291,6 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
             hit = n > 0 or not has_init
             if windowed and has_init:  # (compiled in or out: a layer run whole tests no row)
                 hit = has_row_in_window(out_slots, uint64(n), q, uint64(lo), uint64(span))
-            # The guard computes a centre product again where pairs add to it (alone, the
-            # centre product is the output: inf there is the output's own overflow).
-            check = repair and has_init and centre >= 0
             if hit:
                 acc = cuda.local.array(channels, float32)  # fp32 accumulator, fp16 data or not
                 if has_init:
@@ -254,10 +299,7 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
                     for c in range(per_thread):
                         x = out[q, c0 + c]
                         for m in range(n_u):
-                            v = lane(x, m)
-                            if check and not is_finite(v):  # the centre's input row is q itself
-                                v = product_of(features, q, weight, centre, (c0 + c) * n_u + m)
-                            acc[c * n_u + m] = v
+                            acc[c * n_u + m] = lane(x, m)
                 else:
                     for c in range(channels):
                         acc[c] = float32(0.0)
@@ -267,26 +309,34 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
                         if not in_window(row, uint64(lo), uint64(span)):
                             continue
                         row -= uint64(lo)
+                    for c in range(in_per_thread):
+                        x = obuf[row, b0 + c]
+                        for m in range(in_u):
+                            acc[c * in_u + m] += in_lane(x, m)
+                finite = True
+                if repair:  # the guard (compiled in for fp16 buffers only): one test a channel
+                    for c in range(channels):
+                        finite = finite and is_finite(acc[c])
+                if finite:
                     for c in range(per_thread):
-                        x = obuf[row, c0 + c]
-                        for m in range(n_u):
-                            v = lane(x, m)
-                            if repair and not is_finite(v):  # rare: a product past fp16's range
-                                k = nth_offset(out_masks, buffered, q, s)
-                                v = product_of(ibuf, row, weight, k, (c0 + c) * n_u + m)
-                            acc[c * n_u + m] += v
-                for c in range(per_thread):
-                    out[q, c0 + c] = packed(acc, c * n_u)  # the tile's only write: no atomics
+                        out[q, c0 + c] = packed(acc, c * n_u)  # the tile's only write: no atomics
+                else:  # rare: a product past fp16's range (or an input's inf or NaN)
+                    fixed = cuda.local.array(channels, float32)  # (its own array: acc stays in registers)
+                    for j in range(channels):
+                        fixed[j] = repaired_sum(obuf, out_masks, buffered, out_slots, lo, span, has_init, out,
+                                                ibuf, weight, features, centre, q, uint64(n), c0, uint64(j))
+                    for c in range(per_thread):
+                        out[q, c0 + c] = packed(fixed, c * n_u)
 
     return scatter_v3_kernel
 
 
 def scatter_v4(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bool = False,
-               repair: bool = False):
+               repair: bool = False, obuf_word="same", obuf_itemsize: int | None = None):
     """v4, the library's: :func:`scatter_v3` given a word type, so that ``tile`` counts
     words, each unpacked into its ``itemsize``-byte channels (``word=None``, for a
     tile that is not a whole number of words, gives v3)."""
-    return scatter_v3(tile, tiles, word, itemsize, windowed, repair)
+    return scatter_v3(tile, tiles, word, itemsize, windowed, repair, obuf_word, obuf_itemsize)
 
 
 def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=None, tile=1, lo=0, rows=None,
@@ -317,17 +367,19 @@ def scatter_cuda(obuf, out_lists, init=None, n_out=None, channels=None, dtype=No
     obuf = to_device(obuf)
     tiles = channels // tile
     word, tile_words, per_row = row_words(out.itemsize, tile, channels)
-    if obuf.dtype != out.dtype:
-        word, tile_words = None, tile  # (the public scatter() takes any buffer dtype)
-    src, dst = obuf, out
-    if word is not None and n_out:  # the same bytes, as rows of words
-        src, dst = as_words(obuf, obuf.shape[0], per_row, word), as_words(out, n_out, per_row, word)
+    in_word, _, in_per_row = row_words(obuf.itemsize, tile, channels)  # (fp16 products into fp32 sums)
+    src, dst = obuf, out  # each side the same bytes as rows of words, where its tile is whole words
+    if in_word is not None and n_out:
+        src = as_words(obuf, obuf.shape[0], in_per_row, in_word)
+    if word is not None and n_out:
+        dst = as_words(out, n_out, per_row, word)
     windowed = lo != 0 or (rows is not None and obuf.shape[0] != rows)
     guard = repair is not None and obuf.dtype == np.float16
     # (without the guard the four are never read; not ``dst``: the simulator copies each
     # argument back after the launch, and a second copy of the output would undo the sums)
     ibuf, weight, features, centre = repair if guard else (src, _no_weight(device_id()), src, -1)
-    launch(scatter_v4(tile_words, tiles, word, out.itemsize, windowed, guard), n_out * tiles, src,
+    kernel = scatter_v4(tile_words, tiles, word, out.itemsize, windowed, guard, in_word, obuf.itemsize)
+    launch(kernel, n_out * tiles, src,
            to_device(out_lists.masks), to_device(out_lists.buffered), to_device(out_lists.slots),
            lo, obuf.shape[0], init is not None, dst, ibuf, weight, features, centre)
     return out

@@ -2,7 +2,7 @@
 
 The GMaS dataflow (paper Figure 6) gives every pair of a layer a row in two
 buffers: the input buffer (``rows x C_in``, written by the gather) and the output
-buffer (``rows x C_out``, fp32 for fp16 features, read by the scatter). Their size
+buffer (``rows x C_out``, read by the scatter). Their size
 grows with the pairs *and* the channels, and it is the peak of a forward pass on
 a large cloud. On 1M random voxels in 400^3 the coarse levels of MinkUNet42 are
 dense (about 15 pairs a voxel outside the centre at 128-256 channels), so one

@@ -19,8 +19,8 @@ def test_public_scatter_leaves_init_untouched():
 
 
 # ----------------------------------------------------------- the guard of fp16 products
-def _poisoned_layer(tile=1):
-    """A 3x3x3 submanifold layer in fp16 (C_in 3, C_out 4) whose per-offset products are in an
+def _poisoned_layer(c_out=4):
+    """A 3x3x3 submanifold layer in fp16 (C_in 3, C_out ``c_out``) whose per-offset products are in an
     fp16 buffer, with one row in five (and about one centre product in four) replaced by inf, as
     cuBLAS writes a product past 65504. Returns the arrays the scatter gets, the exact fp32
     products and the mask of the rows poisoned."""
@@ -33,11 +33,11 @@ def _poisoned_layer(tile=1):
     rng = np.random.default_rng(7)
     coords = np.unique(random_coords(rng, 40, span=4), axis=0)
     x = rng.standard_normal((len(coords), 3)).astype(np.float16)
-    w = rng.standard_normal((27, 3, 4)).astype(np.float16)  # a different matrix per offset
+    w = rng.standard_normal((27, 3, c_out)).astype(np.float16)  # a different matrix per offset
     km = ns.sparse_conv3d(ns.SparseTensor(coords, x), w, backend="reference").kernel_map
     plan = build_plan(km, backend="reference")
     ibuf = gather_reference(x, plan.in_table, plan.rows)
-    exact = gg.grouped_gemm_reference(ibuf, w, plan.groups, np.zeros((plan.rows, 4), np.float32))
+    exact = gg.grouped_gemm_reference(ibuf, w, plan.groups, np.zeros((plan.rows, c_out), np.float32))
     init = x.astype(np.float32) @ w[plan.centre].astype(np.float32)
     bad_rows = np.arange(plan.rows) % 5 == 1
     # (only where pairs add to the centre product: alone, it is the output, and its inf the output's own)
@@ -94,3 +94,25 @@ def test_the_guard_leaves_a_centre_it_was_not_told_of_and_an_input_nan():
                                repair=(ibuf, c["w"], c["x"], plan.centre))).astype(np.float32)
     reached = (plan.out_table[:, :, None] == np.flatnonzero(c["bad_rows"])[None, None]).any(axis=(1, 2))
     assert np.isnan(got[reached]).all() and np.isfinite(got[~reached]).all()
+
+
+def test_fp16_products_into_fp32_sums_as_words_in_windows():
+    """A layer run in windows (gmas.workspace): fp16 products added into fp32 running sums,
+    each side read as its own words (tile 4: one 8-byte word of the buffer, two of the sums;
+    tile 2: a 4-byte word and an 8-byte one; tile 1: channels and 4-byte words), the guard
+    on. Two windows of the buffer give the one sum, in fp32, with nothing rounded to fp16."""
+    from numba_sc.gmas.scatter import scatter_cuda, scatter_reference
+
+    c = _poisoned_layer(c_out=8)  # two tiles of 4 a row: the second starts at a different word on each side
+    plan = c["plan"]
+    obuf = np.where(c["bad_rows"][:, None], c["exact"], c["obuf"].astype(np.float32))
+    want = scatter_reference(obuf, plan.out_table, c["init"], dtype=np.float32)
+    half = plan.rows // 2
+    for tile in (1, 2, 4):
+        out = c["init"].copy()  # the fp32 centre product the windows start from
+        for lo, hi in ((0, half), (half, plan.rows)):
+            out = scatter_cuda(c["obuf"][lo:hi], plan.out_lists, out, plan.n_out, 8, np.float32, tile, lo=lo,
+                               rows=plan.rows, repair=(c["ibuf"][lo:hi], c["w"], c["x"], -1))
+        got = to_host(out)
+        assert got.dtype == np.float32 and np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
