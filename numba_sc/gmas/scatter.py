@@ -243,15 +243,14 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
 
     @cuda.jit(device=True, inline=True)
     def repaired_sum(obuf, out_masks, buffered, out_slots, lo, span, has_init, out, ibuf, weight, features,
-                     centre, q, n, c0, j):
+                     centre, q, n, c0, b0, j):
         """The guard's second pass (``repair``), for channel ``j`` of the tile at word ``c0``
-        of output q: the sum again, value by value, a product read as inf or NaN computed
+        of output q (word ``b0`` of the buffer's rows): the sum again, value by value, a product read as inf or NaN computed
         again in fp32 (:func:`product_of`), the centre's from ``features`` (its input row is
         q itself), the others from their gathered row and their offset (:func:`nth_offset`)."""
         c, m = j // n_u, j % n_u  # j is channel (c0 + c) * lanes + m of the row
         channel = (c0 + c) * n_u + m
-        b0 = c0 * n_u // in_u  # the tile's first word of the buffer, and j's word and lane in it
-        bc, bm = j // in_u, j % in_u
+        bc, bm = j // in_u, j % in_u  # j's word and lane in the buffer's tile
         acc = float32(0.0)
         if has_init:
             acc = lane(out[q, c0 + c], m)
@@ -324,7 +323,7 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
                     fixed = cuda.local.array(channels, float32)  # (its own array: acc stays in registers)
                     for j in range(channels):
                         fixed[j] = repaired_sum(obuf, out_masks, buffered, out_slots, lo, span, has_init, out,
-                                                ibuf, weight, features, centre, q, uint64(n), c0, uint64(j))
+                                                ibuf, weight, features, centre, q, uint64(n), c0, b0, uint64(j))
                     for c in range(per_thread):
                         out[q, c0 + c] = packed(fixed, c * n_u)
 
