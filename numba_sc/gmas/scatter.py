@@ -245,9 +245,10 @@ def scatter_v3(tile: int, tiles: int, word=None, itemsize: int = 4, windowed: bo
     def repaired_sum(obuf, out_masks, buffered, out_slots, lo, span, has_init, out, ibuf, weight, features,
                      centre, q, n, c0, b0, j):
         """The guard's second pass (``repair``), for channel ``j`` of the tile at word ``c0``
-        of output q (word ``b0`` of the buffer's rows): the sum again, value by value, a product read as inf or NaN computed
-        again in fp32 (:func:`product_of`), the centre's from ``features`` (its input row is
-        q itself), the others from their gathered row and their offset (:func:`nth_offset`)."""
+        of output q (word ``b0`` of the buffer's rows): the sum again, value by value, a
+        product read as inf or NaN computed again in fp32 (:func:`product_of`), the
+        centre's from ``features`` (its input row is q itself), the others from their
+        gathered row and their offset (:func:`nth_offset`)."""
         c, m = j // n_u, j % n_u  # j is channel (c0 + c) * lanes + m of the row
         channel = (c0 + c) * n_u + m
         bc, bm = j // in_u, j % in_u  # j's word and lane in the buffer's tile
