@@ -39,12 +39,13 @@ from ..dataflows.implicit_driver import implicit_gemm_cuda, implicit_plan
 from ..dataflows.implicit_gemm import implicit_gemm_reference
 from ..gmas import gemm_grouping as gg
 from ..gmas.gather import gather_cuda, gather_reference
+from ..gmas.output_ranges import output_ranges, range_plan
 from ..gmas.scatter import scatter_cuda, scatter_reference
 from ..gmas.workspace import window_rows, windows
 
 
 def gather_gemm_scatter(features, weight, plan, tiles=(1, 1), backend=None, init=None, keep_buffer=None,
-                        products=None):
+                        products=None, kernel_map=None, transposed=False):
     """The GMaS dataflow on prepared arrays: centre product, gather, grouped GEMMs, scatter.
 
     ``features`` (|P|, C_in) in the map's input order, ``weight`` (K, C_in, C_out)
@@ -65,6 +66,10 @@ def gather_gemm_scatter(features, weight, plan, tiles=(1, 1), backend=None, init
     make the sum inf or NaN). ``np.float32`` keeps fp16 layers' products in float32
     (twice the buffer's bytes), for timing the two. A layer run in windows keeps its
     running sums, and its centre product, in fp32.
+    ``kernel_map``, ``transposed``: the map the plan was built from and whether the
+    layer reads it backwards. A layer past the workspace then runs by ranges of its
+    outputs (:mod:`numba_sc.gmas.output_ranges`), each written once, instead of by
+    windows of buffer rows; without them (or when the cut does not pay), by windows.
     """
     bk = resolve_backend(backend)
     n_out = plan.n_out
@@ -83,6 +88,11 @@ def gather_gemm_scatter(features, weight, plan, tiles=(1, 1), backend=None, init
     xp = device_xp()
     features, weight = to_device(features), to_device(weight)  # no-ops when already there
     limit = window_rows(features.shape[1] * features.itemsize + c_out * obuf_t.itemsize)
+    if 0 < limit < plan.rows and kernel_map is not None:  # past the workspace: by ranges of outputs
+        ranges, table = layer_ranges(kernel_map, transposed, plan, limit)
+        if ranges is not None:
+            return by_output_ranges(features, weight, plan, ranges, tiles, init, obuf_t, kernel_map, transposed,
+                                    table, limit)
     if 0 < limit < plan.rows:  # the buffers would pass the workspace: window by window (gmas.workspace)
         # The running sums stay in fp32 between windows (fp16 features too): rounded to
         # fp16 after each window they would lose bits, and could overflow where the
@@ -104,13 +114,65 @@ def gather_gemm_scatter(features, weight, plan, tiles=(1, 1), backend=None, init
         return out.astype(features.dtype, copy=False)
     if init is None and plan.centre >= 0:
         init = gg.centre_product_cuda(features, weight, plan.centre)
+    return _whole(features, weight, plan, tiles, init, obuf_t, keep_buffer, features, plan.centre)
+
+
+def _whole(features, weight, plan, tiles, init, obuf_t, keep_buffer, centre_rows, centre):
+    """Gather, GEMMs and scatter of a plan in one go, summed into ``init`` (in place) when
+    given. ``centre_rows``, ``centre``: the features and offset of the centre product
+    that ``init`` holds (-1: none), for the fp16 guard to make it again in fp32."""
     ibuf = gather_cuda(features, plan.in_lists, plan.rows, tiles[0], zero_padding=keep_buffer is not None)
     if keep_buffer is not None:  # training: the weight gradient reads this buffer again
         keep_buffer.append(ibuf)
-    obuf = xp.empty((plan.rows, c_out), dtype=obuf_t)  # padding rows: never read
+    obuf = device_xp().empty((plan.rows, weight.shape[2]), dtype=obuf_t)  # padding rows: never read
     gg.grouped_gemm_cuda(ibuf, weight, plan.groups, obuf)
-    return scatter_cuda(obuf, plan.out_lists, init, n_out, c_out, features.dtype, tiles[1],
-                        repair=(ibuf, weight, features, plan.centre))
+    return scatter_cuda(obuf, plan.out_lists, init, plan.n_out, weight.shape[2], features.dtype, tiles[1],
+                        repair=(ibuf, weight, centre_rows, centre))
+
+
+def layer_ranges(km, transposed, plan, limit):
+    """:func:`numba_sc.gmas.output_ranges.output_ranges` of the layer that runs ``plan``
+    (None: by windows), made once per map, direction and workspace and kept on the map
+    (host numbers: the layers that share a map share them; only the latest workspace's
+    are kept), and the table in weight order they cut (None with no ranges)."""
+    key = (limit, plan.centre, plan.policy)
+    kept = km.kept_plans.get(("output ranges", transposed))
+    if kept is not None and kept[0] == key:
+        ranges = kept[1]
+        return ranges, None if ranges is None else _table_in_weight_order(km, transposed)
+    table = _table_in_weight_order(km, transposed)
+    known = None if transposed else (km.chunk, km.chunk_counts)  # (what the search counted, by output)
+    ranges = output_ranges(table, plan.centre, limit, plan.policy, known)
+    km.kept_plans[("output ranges", transposed)] = (key, ranges)
+    return ranges, table
+
+
+def by_output_ranges(features, weight, plan, ranges, tiles, init, obuf_t, km, transposed, table, limit):
+    """The layer range by range of its outputs (:mod:`numba_sc.gmas.output_ranges`): each
+    range's gather, GEMMs and scatter on its own plan, made here and dropped after it, summed
+    into its rows of the output, which start from the centre product (or zeros). Each output
+    is written once, in the features' dtype, as when the layer runs whole."""
+    if plan.centre >= 0:
+        out = gg.centre_product_cuda(features, weight, plan.centre) if init is None else init
+    else:
+        out = device_xp().zeros((plan.n_out, weight.shape[2]), dtype=features.dtype)
+    ins, outs = (km.out_coords, km.in_coords) if transposed else (km.in_coords, km.out_coords)
+    for r in ranges:
+        part = range_plan(table, r, ins, outs, km.offsets, plan.centre, limit, plan.policy)
+        rows = out[r.q0:r.q1]  # (a view: the scatter sums into it in place)
+        inputs = features[r.p0:r.p1]
+        centre_rows = features[r.q0:r.q1] if plan.centre >= 0 else inputs  # (submanifold: inputs are outputs)
+        _whole(inputs, weight, part, tiles, rows, obuf_t, None, centre_rows, plan.centre)
+    return out
+
+
+def _table_in_weight_order(km, transposed):
+    """:func:`weight_order_table`'s table, without keeping a transposed layer's on the map
+    (K x |P| more for as long as the map lives; the ranges need it only while the layer runs)."""
+    if not transposed:
+        return km.table
+    kept = km.kept_plans.get("transposed table")
+    return kept if kept is not None else device_xp().ascontiguousarray(to_device(km.transposed().table)[::-1])
 
 
 def weight_order_table(km, transposed):

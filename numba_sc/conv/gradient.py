@@ -303,6 +303,7 @@ def sparse_conv3d_backward(x: SparseTensor, weight: Array, grad_out: Array, kern
     # rows: exactly the G_k the weight gradient multiplies, so it keeps that buffer
     # (padding rows zeroed) instead of the weight gradient gathering G again.
     kept = []
-    dx = gather_gemm_scatter(g, wt, back, tiles, bk, keep_buffer=kept)
+    dx = gather_gemm_scatter(g, wt, back, tiles, bk, keep_buffer=kept, kernel_map=kernel_map,
+                             transposed=not transposed)
     dw = weight_grad_cuda(f, g, plan, w.shape[0], input_buffer, kept[0] if kept else None)
     return like(dx, x.features), like(dw, weight)

@@ -188,7 +188,8 @@ def convolve(x, weight, settings: LayerSettings | None = None, *, keep_plan=Fals
     plan = gmas_plan(km, keep, s.transposed, s.sort_offsets, s.max_padding, s.solo_rows, s.launch_rows, lr, bk)
     tiles = resolve_tiles(s.tile_size, w.shape[1], w.shape[2], f.shape[0], plan.n_out, f.dtype,
                           w.shape[0], s.transposed, s.layer)
-    out = gather_gemm_scatter(f, w, plan, tiles, bk, init, keep_buffer if bk == "cuda" else None)
+    out = gather_gemm_scatter(f, w, plan, tiles, bk, init, keep_buffer if bk == "cuda" else None,
+                              kernel_map=km, transposed=s.transposed)
     return result(x, km, out, s.transposed, strided)
 
 

@@ -7,5 +7,7 @@
     gemm_grouping   9. offsets sorted by pair count, grouped into batched GEMMs (Section 5.2.2)
     scatter         10. the tiled scatter-sum of partial results, no atomics
     autotune        11. tile sizes per layer (Algorithm 2)
+    workspace       the buffers bounded: a layer in windows of buffer rows
+    output_ranges   the buffers bounded: a layer by ranges of its outputs, each a map of its own
     conv            sparse_conv3d: the Map step and one dataflow, assembled into a layer
 """

@@ -22,11 +22,11 @@ a *window* of them, ``lo .. hi - 1``:
   the windows before (``lo=``; the first window starts from the centre product
   or from zeros).
 
-So a layer runs in ``ceil(rows / window)`` rounds, each reusing buffers of at most
-:func:`workspace_bytes` together. The price: every round launches the three
-stages again and reads the point lists and the output once more, which on a
-layer of a few thousand points is host time, so a layer whose buffers fit runs
-in one window, exactly as before. A split changes the order of the additions
+So a layer run in windows takes ``ceil(rows / window)`` rounds, each reusing
+buffers of at most :func:`workspace_bytes` together. The price: every round
+launches the three stages again and reads the point lists and the output once
+more, which on a layer of a few thousand points is host time, so a layer whose
+buffers fit runs in one window, exactly as before. A split changes the order of the additions
 of an output (window by window, each in offset order), so a layer run in
 windows agrees with one run whole to float rounding, not bit for bit.
 
@@ -34,6 +34,11 @@ The training step uses the same windows: the input gradient is a forward pass
 of the transposed layer, and the weight gradient (:mod:`numba_sc.conv.gradient`)
 gathers both of its buffers window by window, adding the products of a split
 member into the same slot (cuBLAS's ``beta = 1``).
+
+A layer given its map runs by ranges of its outputs instead, wherever they fit
+(:mod:`numba_sc.gmas.output_ranges`: each output written once, no running sums);
+the windows serve the rest (a bound below one chunk's pairs and their padding, a
+layer called without its map) and the weight gradient, which has no scatter.
 
 Worked example: a layer of 1,000 buffer rows, 64 -> 64 channels, fp32, whose
 rows cost ``4 * 64 + 4 * 64 = 512`` bytes, in a workspace of 200 KiB (400 rows):
