@@ -137,10 +137,13 @@ def layer_ranges(km, transposed, plan, limit):
     are kept), and the table in weight order they cut (None with no ranges)."""
     key = (limit, plan.centre, plan.policy)
     kept = km.kept_plans.get(("output ranges", transposed))
+    if kept is not None and kept[0] == key and kept[1] is None:
+        return None, None
+    # on the device once for all the ranges (a map built from NumPy coordinates keeps it
+    # on the host); a transposed layer's made for this call (the ranges need it only now)
+    table = to_device(weight_order_table(km, transposed, keep=False)[0])
     if kept is not None and kept[0] == key:
-        ranges = kept[1]
-        return ranges, None if ranges is None else _table_in_weight_order(km, transposed)
-    table = _table_in_weight_order(km, transposed)
+        return kept[1], table
     known = None if transposed else (km.chunk, km.chunk_counts)  # (what the search counted, by output)
     ranges = output_ranges(table, plan.centre, limit, plan.policy, known)
     km.kept_plans[("output ranges", transposed)] = (key, ranges)
@@ -166,16 +169,7 @@ def by_output_ranges(features, weight, plan, ranges, tiles, init, obuf_t, km, tr
     return out
 
 
-def _table_in_weight_order(km, transposed):
-    """:func:`weight_order_table`'s table, without keeping a transposed layer's on the map
-    (K x |P| more for as long as the map lives; the ranges need it only while the layer runs)."""
-    if not transposed:
-        return km.table
-    kept = km.kept_plans.get("transposed table")
-    return kept if kept is not None else device_xp().ascontiguousarray(to_device(km.transposed().table)[::-1])
-
-
-def weight_order_table(km, transposed):
+def weight_order_table(km, transposed, keep=True):
     """The table the fetch-on-demand and implicit-GEMM dataflows read: (K, n_out),
     row k pairing outputs with inputs through ``weight[k]``, and its pairs per row.
 
@@ -183,13 +177,16 @@ def weight_order_table(km, transposed):
     strided map backwards: its output j receives input i through ``W[k]`` exactly
     when ``km.table[k, i] = j``, which is row k of the transposed map's table read
     in reverse row order (:meth:`KernelMap.transposed` lists row ``K-1-k`` first);
-    made once and kept on the map."""
+    made once and kept on the map (``keep=False``: taken from the map when kept
+    there, else made for this call only, K x |P| less for as long as the map lives)."""
     if not transposed:
         return km.table, km.host_counts()
     t = km.kept_plans.get("transposed table")
     if t is None:
         xp = array_module(km.table)
-        t = km.kept_plans["transposed table"] = xp.ascontiguousarray(km.transposed().table[::-1])
+        t = xp.ascontiguousarray(km.transposed().table[::-1])
+        if keep:
+            km.kept_plans["transposed table"] = t
     return t, km.host_counts()
 
 
