@@ -173,6 +173,17 @@ def random_coords(rng, n, span=9, batch=0, multiple=1):
 
 
 # ------------------------------------------------------------- the networks
+def small_tensor(rng, n, c, dtype=np.float32, span=5):
+    """A tensor on about n unique random voxels in [-span, span)^3, c standard normal channels."""
+    coords = np.unique(random_coords(rng, n, span=span), axis=0)
+    return SparseTensor(coords, rng.standard_normal((len(coords), c)).astype(dtype))
+
+
+def layer_weight(rng, k, cin, cout, dtype):
+    """A (k, cin, cout) weight, standard normal / 3, of ``dtype``."""
+    return (rng.standard_normal((k, cin, cout)) / 3).astype(dtype)
+
+
 def host(a):
     return np.asarray(to_host(a))
 

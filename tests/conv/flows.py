@@ -5,18 +5,9 @@ import numpy as np
 import numba_sc as ns
 from numba_sc.conv import layer
 
-from helpers import random_coords
+from helpers import layer_weight, small_tensor  # noqa: F401 (flows' users import them from here)
 
 FLOWS = ("gmas", "fetch", "implicit")
-
-
-def small_tensor(rng, n, c, dtype=np.float32, span=5):
-    coords = np.unique(random_coords(rng, n, span=span), axis=0)
-    return ns.SparseTensor(coords, rng.standard_normal((len(coords), c)).astype(dtype))
-
-
-def layer_weight(rng, k, cin, cout, dtype):
-    return (rng.standard_normal((k, cin, cout)) / 3).astype(dtype)
 
 
 def assert_flow_close(got, want, dtype):

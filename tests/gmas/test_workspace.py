@@ -13,16 +13,7 @@ from numba_sc.gmas.gather import gather_cuda
 from numba_sc.gmas.gemm_grouping import Group
 from numba_sc.gmas.plan import build_plan
 
-from helpers import random_coords
-
-
-def small_tensor(rng, n, c, dtype=np.float32, span=5):
-    coords = np.unique(random_coords(rng, n, span=span), axis=0)
-    return ns.SparseTensor(coords, rng.standard_normal((len(coords), c)).astype(dtype))
-
-
-def layer_weight(rng, k, cin, cout, dtype):
-    return (rng.standard_normal((k, cin, cout)) / 3).astype(dtype)
+from helpers import layer_weight, small_tensor
 
 
 @pytest.fixture(autouse=True)
