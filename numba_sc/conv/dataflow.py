@@ -39,7 +39,7 @@ from ..dataflows.implicit_driver import implicit_gemm_cuda, implicit_plan
 from ..dataflows.implicit_gemm import implicit_gemm_reference
 from ..gmas import gemm_grouping as gg
 from ..gmas.gather import gather_cuda, gather_reference
-from ..gmas.output_ranges import output_ranges, range_plan
+from ..gmas.output_ranges import output_ranges, range_plan, ranges_pay
 from ..gmas.scatter import scatter_cuda, scatter_reference
 from ..gmas.workspace import window_rows, windows
 
@@ -69,7 +69,8 @@ def gather_gemm_scatter(features, weight, plan, tiles=(1, 1), backend=None, init
     ``kernel_map``, ``transposed``: the map the plan was built from and whether the
     layer reads it backwards. A layer past the workspace then runs by ranges of its
     outputs (:mod:`numba_sc.gmas.output_ranges`), each written once, instead of by
-    windows of buffer rows; without them (or when the cut does not pay), by windows.
+    windows of buffer rows, when that pays (:func:`numba_sc.gmas.output_ranges.ranges_pay`);
+    otherwise by windows.
     """
     bk = resolve_backend(backend)
     n_out = plan.n_out
@@ -88,7 +89,8 @@ def gather_gemm_scatter(features, weight, plan, tiles=(1, 1), backend=None, init
     xp = device_xp()
     features, weight = to_device(features), to_device(weight)  # no-ops when already there
     limit = window_rows(features.shape[1] * features.itemsize + c_out * obuf_t.itemsize)
-    if 0 < limit < plan.rows and kernel_map is not None:  # past the workspace: by ranges of outputs
+    if 0 < limit < plan.rows and kernel_map is not None and ranges_pay(n_out, c_out):
+        # past the workspace, and the outputs' sums too big to re-read cheaply: by ranges of outputs
         ranges, table = layer_ranges(kernel_map, transposed, plan, limit)
         if ranges is not None:
             return by_output_ranges(features, weight, plan, ranges, tiles, init, obuf_t, kernel_map, transposed,

@@ -91,6 +91,18 @@ def device_id() -> int:
     return 0 if simulating() else device_xp().cuda.runtime.getDevice()
 
 
+def l2_cache_bytes() -> int:
+    """The current device's L2 cache in bytes (0 under the simulator or without a GPU):
+    whether a layer's outputs stay in it decides how a layer past the workspace is cut
+    (:func:`numba_sc.gmas.output_ranges.ranges_pay`)."""
+    return 0 if not gpu_present() else _l2_bytes(device_id())
+
+
+@cached
+def _l2_bytes(device: int) -> int:
+    return int(device_xp().cuda.runtime.getDeviceProperties(device)["l2CacheSize"])
+
+
 def device_name() -> str:
     """What runs the kernels, in words, for the records benchmarks and ladders write."""
     if simulating():

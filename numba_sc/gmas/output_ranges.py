@@ -34,6 +34,14 @@ are host numbers, kept on the map), and each time a layer runs, a plan per range
 (the metadata kernels again, on a table of ``K x (q1 - q0)``), dropped once the
 range is summed: kept, the ranges' lists would hold as much memory again as the
 whole layer's.
+
+When the cut pays (:func:`ranges_pay`): the windows' extra cost is their re-reads
+of the outputs' running sums, and while those sums fit about in the L2 cache the
+re-reads are cheap; the ranges' extra cost, a plan per range, stays. Measured layer
+by layer on both networks (``benchmarks/results/ranges_vs_windows.json``, each row's
+``sums_MB`` beside the card's ``l2_MB``), the windows were faster where the sums
+were about the L2's size, the ranges where they were several times it; twice the
+L2 lies between.
 """
 from __future__ import annotations
 
@@ -46,10 +54,13 @@ from .metadata import chunk_counts_cuda
 from .plan import build_plan_cuda
 from ..core.backend import to_device, to_host
 from ..core.conventions import chunk_size
-from ..core.device import device_xp
+from ..core.device import device_xp, l2_cache_bytes
 from ..map.kernel_map import KernelMap
 
 MAX_RANGES = 64  # a bound on the plans a layer makes per call (each costs launches and host time); past it, windows
+# Bytes of a layer's fp32 running sums (outputs x C_out x 4) below which it keeps the windows
+# (see ranges_pay). None: twice the device's L2 cache; the tests set 0 (every layer by ranges).
+MIN_SUMS_BYTES = None
 # Threads of the blocks that count a chunk's pairs; a chunk is 8 outputs a thread. None: the
 # metadata's (so the forward search's counts serve); the tests set fewer, for small clouds.
 CHUNK_THREADS = None
@@ -65,6 +76,16 @@ class OutputRange:
     p0: int
     p1: int
     counts: np.ndarray
+
+
+def ranges_pay(n_out: int, c_out: int) -> bool:
+    """Whether a layer of ``n_out`` outputs and ``c_out`` channels, past the workspace,
+    should run by ranges of outputs rather than by windows of rows: when its running
+    sums (fp32, ``n_out x c_out x 4`` bytes, what every window reads and writes again)
+    pass :data:`MIN_SUMS_BYTES`, by default twice the L2 cache (the module docstring
+    says what was measured)."""
+    floor = 2 * l2_cache_bytes() if MIN_SUMS_BYTES is None else MIN_SUMS_BYTES
+    return n_out * c_out * 4 > floor
 
 
 def cut_points(pairs_per_chunk, target: int) -> list:

@@ -20,6 +20,8 @@ def _default_workspace(monkeypatch):
     # chunks of 8 outputs (blocks of one thread), so that clouds of a few hundred points
     # (what the simulator runs) make several ranges
     monkeypatch.setattr(orr, "CHUNK_THREADS", 1)
+    # and every layer past the workspace by ranges, whatever the card's L2 (ranges_pay)
+    monkeypatch.setattr(orr, "MIN_SUMS_BYTES", 0)
     ns.clear_caches()
     yield
     ns.clear_caches()
@@ -130,6 +132,31 @@ def test_a_layer_by_ranges_equals_the_layer_whole(rng, kind, dtype, ranges_run):
     scale = max(float(np.abs(whole.features.astype(np.float32)).max()), 1.0)
     np.testing.assert_allclose(part.features.astype(np.float32), whole.features.astype(np.float32),
                                atol=tol * scale, rtol=0)
+
+
+def test_a_layer_whose_sums_are_below_the_floor_keeps_the_windows(rng, monkeypatch, ranges_run):
+    x = small_tensor(rng, 400, 3, span=4)
+    w = layer_weight(rng, 27, 3, 3, np.float32)
+    ns.set_workspace(0)
+    whole = _layer("subm", x, w, None)
+    sums = whole.features.shape[0] * 3 * 4  # the layer's fp32 running sums, in bytes
+    assert orr.ranges_pay(whole.features.shape[0], 3)  # (the fixture's floor 0: every layer pays)
+    monkeypatch.setattr(orr, "MIN_SUMS_BYTES", sums)  # at the floor: not past it
+    assert not orr.ranges_pay(whole.features.shape[0], 3) and orr.ranges_pay(whole.features.shape[0] + 1, 3)
+    ns.set_workspace(LIMIT["subm"] * 6 * 4)
+    by_windows = _layer("subm", x.without_maps(), w, None)
+    assert not ranges_run  # past the workspace, by windows
+    monkeypatch.setattr(orr, "MIN_SUMS_BYTES", sums - 1)
+    by_ranges = _layer("subm", x.without_maps(), w, None)
+    assert ranges_run
+    for part in (by_windows, by_ranges):
+        np.testing.assert_allclose(part.features, whole.features, atol=1e-5 * float(np.abs(whole.features).max()))
+
+
+def test_the_floor_by_default_is_twice_the_l2_cache(monkeypatch):
+    monkeypatch.setattr(orr, "MIN_SUMS_BYTES", None)
+    monkeypatch.setattr(orr, "l2_cache_bytes", lambda: 50_000_000)
+    assert not orr.ranges_pay(100_000_000 // 4, 1) and orr.ranges_pay(100_000_000 // 4 + 1, 1)
 
 
 def test_the_comparison_catches_a_range_that_reads_its_inputs_one_row_off(rng, monkeypatch, ranges_run):
