@@ -60,10 +60,13 @@ channel, W = [a, b, c]::
 
 Bytes, per layer and pass, ``n`` pairs outside the centre (fp32, padding aside):
 the dgrad moves what a forward layer moves, ``~8 n (C_in + C_out)``, and zeroes
-its buffer first; the wgrad reads the two kept buffers (``4 n (C_in + C_out)``,
+its buffer first; the wgrad reads the two buffers (``4 n (C_in + C_out)``,
 by its GEMMs) and writes ``K C_in C_out`` values twice (the products, then their
-places). So a training step costs about three forward passes, as it does for a
-dense network.
+places). The G buffer is the dgrad's own; the input's is gathered again
+(``~8 n C_in`` more) unless the forward's was kept (:class:`numba_sc.nn.Tape`'s
+``keep_buffers``, none by default: kept, they hold many times the activations).
+So a training step costs about three forward passes, as it does for a dense
+network.
 
 :func:`sparse_conv3d_backward` is the functional form beside
 :func:`numba_sc.sparse_conv3d`; :mod:`numba_sc.nn` records each layer's backward

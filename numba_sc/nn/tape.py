@@ -53,9 +53,26 @@ def current_tape():
 
 
 class Tape:
-    """Records backward steps while open (``with Tape() as tape:``)."""
+    """Records backward steps while open (``with Tape() as tape:``).
 
-    def __init__(self):
+    ``keep_buffers``: how many bytes of gathered input buffers the tape's layers may
+    keep for their weight gradients (:meth:`keep_buffer`). A convolution's forward
+    gathers K slots of its inputs' rows, many times the layer's input; kept, its
+    weight gradient reads them instead of gathering again. ``0`` (the default) keeps
+    none: each weight gradient gathers its inputs again, one gather kernel per layer.
+    Measured on both networks' training steps (``benchmarks/probes/tape_buffers.py``,
+    ``benchmarks/results/tape_buffers.json``), gathering again cost about the same
+    time, and on the small scans a step took a fraction of the memory. ``None``: up
+    to the workspace (:func:`numba_sc.set_workspace`; every buffer when it is
+    unbounded); a number: up to that many bytes.
+    """
+
+    def __init__(self, keep_buffers: int | None = 0):
+        if keep_buffers is not None and (isinstance(keep_buffers, bool) or not isinstance(keep_buffers, int)
+                                         or keep_buffers < 0):
+            raise ValueError(f"keep_buffers must be a whole number of bytes >= 0 (0: keep none) or None "
+                             f"(up to the workspace), got {keep_buffers!r}")
+        self.keep_buffers = keep_buffers
         self.steps = []  # (output array, input arrays, backward(g, param_grads) -> input grads)
         self._left = {}
         self._token = None
@@ -65,10 +82,10 @@ class Tape:
     def keep_buffer(self, nbytes: int) -> bool:
         """Whether a layer may keep a gathered input buffer of ``nbytes`` for its weight
         gradient (saving a gather in the backward pass): yes while the buffers kept by
-        this tape stay within the workspace (:func:`numba_sc.set_workspace`; unbounded
-        when it is), which counts them. A layer told no gathers again in the backward."""
-        bound = workspace_bytes()
-        if bound and self.kept_bytes + nbytes > bound:
+        this tape stay within ``keep_buffers`` (None: the workspace, unbounded when it
+        is), which counts them. A layer told no gathers again in the backward."""
+        bound = workspace_bytes() if self.keep_buffers is None else self.keep_buffers
+        if (bound or self.keep_buffers == 0) and self.kept_bytes + nbytes > bound:
             return False
         self.kept_bytes += nbytes
         return True

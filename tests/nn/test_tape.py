@@ -101,29 +101,43 @@ def test_a_tape_plays_back_once_and_lets_go_of_its_steps(coords):
         tape.backward(y, np.ones_like(y.features))
 
 
-def test_the_kept_buffers_stay_within_the_workspace(coords):
+def test_the_kept_buffers_stay_within_the_tapes_budget(coords):
     """A layer keeps its gathered input buffer for the weight gradient only while the
-    tape's kept buffers fit the workspace; past it the backward gathers again, and the
-    gradients are the same (the budget changes the memory, not the answer)."""
+    tape's kept buffers fit its budget (by default none; None: the workspace); past it
+    the backward gathers again, and the gradients are the same (the budget changes the
+    memory, not the answer)."""
     net, x, target = _small_case(coords, 6)
     got = {}
     try:
-        for nbytes in (0, 5000):
+        for nbytes, keep in ((0, None), (5000, None), (0, 0), (0, "all but one byte")):
+            if keep == "all but one byte":  # of what the unbounded tape kept: some buffers, not all
+                keep = got[0, None][0] - 1
             ns.set_workspace(nbytes)
-            with nn.Tape() as tape:
+            with nn.Tape(keep_buffers=keep) as tape:
                 y = net(x.without_maps(), backend="cuda")
             kept = tape.kept_bytes
             loss, g = cross_entropy(y.features, target, backend="cuda")
-            got[nbytes] = (kept, tape.backward(y, g))
+            got[nbytes, keep] = (kept, tape.backward(y, g))
+        with nn.Tape() as tape:  # the default: none kept
+            net(x.without_maps(), backend="cuda")
+        assert tape.kept_bytes == 0
     finally:
         ns.set_workspace(None)
-    assert got[0][0] > 5000 >= got[5000][0]  # unbounded: every buffer kept; bounded: what fits
-    for name, want in got[0][1].items():
-        have = to_host(got[5000][1][name])
-        assert np.abs(have - to_host(want)).max() <= 1e-5 * max(1e-3, np.abs(to_host(want)).max()), name
-    t = nn.Tape()
+    # unbounded: every buffer kept; bounded (by the workspace or the tape): what fits; 0: none
+    most = got[0, None][0] - 1
+    assert got[0, None][0] > 5000 >= got[5000, None][0]
+    assert got[0, 0][0] == 0 and 0 < got[0, most][0] <= most
+    for case in ((5000, None), (0, 0), (0, most)):
+        for name, want in got[0, None][1].items():
+            have = to_host(got[case][1][name])
+            assert np.abs(have - to_host(want)).max() <= 1e-5 * max(1e-3, np.abs(to_host(want)).max()), (case, name)
+    t = nn.Tape(None)
     ns.set_workspace(100)
     try:
         assert t.keep_buffer(60) and not t.keep_buffer(60) and t.kept_bytes == 60
     finally:
         ns.set_workspace(None)
+    assert not nn.Tape().keep_buffer(1) and nn.Tape(0).kept_bytes == 0
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="keep_buffers must be"):
+            nn.Tape(keep_buffers=bad)
