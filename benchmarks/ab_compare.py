@@ -23,14 +23,10 @@ the tiles ``--tiles``) beside spconv's ``SubMConv3d`` (Native and
 MaskImplicitGemm, fresh indices so its pairs are rebuilt). Never runs in CI.
 """
 import argparse
-import importlib
-import json
-import sys
-from pathlib import Path
 
 import numpy as np
 
-from common import HOST_THEN_GPU, find_data, interleaved, random_coords, recorded, scan_coords
+from common import HOST_THEN_GPU, find_data, interleaved, package_copies, random_coords, recorded, scan_coords, write_json
 
 
 def ours(pkg, coords, ch, dtype=np.float32, tiles=(8, 8), cout=None):
@@ -123,12 +119,7 @@ def main():
     args = ap.parse_args()
 
     tiles = tuple(int(t) for t in args.tiles.split(","))
-    import numba_sc as new
-    packages = {"new": new}
-    if Path(args.base).is_dir():  # every copy there: base_sc/ as "base", x_sc/ as "x"
-        sys.path.insert(0, str(Path(args.base).resolve()))
-        for folder in sorted(Path(args.base).glob("*_sc")):
-            packages[folder.name[:-3]] = importlib.import_module(folder.name)
+    packages = package_copies(args.base)  # every copy there: base_sc/ as "base", x_sc/ as "x"
     makers = {name: (lambda n=name: scan_coords(find_data(args.data), n)) for name in ("kitti", "scannet", "sunrgbd")}
     makers["random1M"] = random_coords
     out = {"recorded": recorded(args.note), "clouds": {}}
@@ -176,7 +167,7 @@ def main():
                 print(f"   {key[0]:12s} new / {key[1]:18s} paired host ratio {paired:.3f}")
         out["clouds"][cname] = res
     out["recorded"] = recorded(args.note)  # again, now that the peers' versions are known
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    write_json(args.out, out)
 
 
 if __name__ == "__main__":

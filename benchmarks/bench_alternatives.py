@@ -27,14 +27,12 @@ Every contender's output is checked against the gmas dataflow's before timing.
 Never runs in CI.
 """
 import argparse
-import json
 import time
 import traceback
-from pathlib import Path
 
 import numpy as np
 
-from common import CROPS, HOST_THEN_GPU, find_data, interleaved, random_coords, recorded, scan_coords
+from common import CROPS, HOST_THEN_GPU, find_data, interleaved, random_coords, recorded, scan_coords, write_json
 
 ROWS = "4-16,32-32,64-64,128-128,256-256"
 
@@ -184,7 +182,7 @@ def main():
             if errors:
                 print("      errors vs gmas: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
         out["recorded"] = recorded(args.note)  # again, now that the peers' versions are known
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        write_json(args.out, out)
 
 
 if __name__ == "__main__":

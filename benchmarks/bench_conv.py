@@ -27,15 +27,13 @@ goes to stdout, everything to ``--out`` (JSON).
 # (numba_sc.core.launch.launch switches off Numba's per-launch host sync on CuPy
 # arguments itself, so the benchmark measures what a user gets.)
 import argparse
-import json
 import sys
 import traceback
-from pathlib import Path
 
 import numpy as np
 
 from common import (HOST_AND_GPU, SCANS, device_name, find_data, host_and_gpu_ms, interleaved,
-                    random_coords, recorded, repeated, rounds_for, scan_coords, torch_events)
+                    random_coords, recorded, repeated, rounds_for, scan_coords, torch_events, write_json)
 
 CHANNELS = [(4, 16), (32, 32), (64, 64), (128, 128), (256, 256)]
 
@@ -219,7 +217,7 @@ def main():
                     results["runs"].append(rec)
                     # written after every row: a run cut short still leaves what it measured
                     results["recorded"] = recorded(args.note)
-                    Path(args.out).write_text(json.dumps(results, indent=1))
+                    write_json(args.out, results)
                     if "end_to_end" in rec:
                         e2e, gm = rec["end_to_end"], rec.get("gmas", {})
                         print(f"{dname:8} {len(coords):8d} {cin:>4}->{cout:<4} {impl:22} {dt:8} "
@@ -237,7 +235,7 @@ def main():
                               + (f" | rel err {rec['rel_err_vs_reference']:.1e}"
                                  if "rel_err_vs_reference" in rec else ""))
     results["recorded"] = recorded(args.note)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    write_json(args.out, results)
     print(f"full results: {args.out}")
     return 0
 

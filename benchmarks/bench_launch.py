@@ -15,12 +15,10 @@ untimed launches (no synchronisation inside a sample). Run on a GPU machine; nev
     python3 benchmarks/bench_launch.py --out results/launch.json
 """
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
-from common import recorded, sync
+from common import recorded, sync, write_json
 
 
 def main():
@@ -80,7 +78,7 @@ def main():
         rows[name.strip(" .")] = per_launch(fn)
         print(f"{name:30s} {rows[name.strip(' .')]:16.1f}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"recorded": recorded(args.note), "host_us_per_launch": rows}, indent=1))
+        write_json(args.out, {"recorded": recorded(args.note), "host_us_per_launch": rows})
 
 
 if __name__ == "__main__":

@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import threading
@@ -87,7 +86,7 @@ from pathlib import Path
 import numpy as np
 
 import common
-from common import CyclingScans, find_data, interleaved, recorded, scan_crops
+from common import CyclingScans, find_data, interleaved, recorded, scan_crops, write_json
 
 
 # ------------------------------------------------------------------ the set-up
@@ -468,7 +467,7 @@ def main():
     def write():
         result["seconds"] = time.perf_counter() - t0
         if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1))
+            write_json(args.out, result)
 
     sections = [("loader", "loader_wait", lambda: loader_wait(args, crops, log)),
                 ("amp", "amp_vs_fp32", lambda: amp_against_fp32(args, crops, log))]

@@ -26,16 +26,14 @@ printed and recorded and the rest still runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
-from pathlib import Path
 
 import numpy as np
 
 from common import (KITTI, SCANS, device_name, find_data, gpu_ms, host_and_gpu_ms, recorded, repeated,
-                    scan_points, torch_events, wall_ms)
+                    scan_points, torch_events, wall_ms, write_json)
 
 SWEEP_B = (64, 128, 256, 512, 1024)
 SWEEP_C = (128, 256, 512, 1024)
@@ -274,7 +272,7 @@ def main(argv=None):
         print_summary(name, r)
 
     results["recorded"] = recorded(args.note)
-    Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+    write_json(args.out, results, indent=2, default=str)
     print(f"\nwrote {args.out}")
 
 

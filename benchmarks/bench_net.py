@@ -41,14 +41,12 @@ the voxel mean of the first four columns), and 1,000,000 random voxels in
 400^3 (random features). A short table goes to stdout, everything to ``--out``.
 """
 import argparse
-import json
 import sys
 import traceback
-from pathlib import Path
 
 import numpy as np
 
-from common import CROPS, SCANS, cupy_peak, find_data, interleaved, random_coords, recorded, rounds_for, scan_points, torch_peak
+from common import CROPS, SCANS, cupy_peak, find_data, interleaved, random_coords, recorded, rounds_for, scan_points, torch_peak, write_json
 from roofline import layer_napkin, measured_peaks
 
 NETS = ("resnet21", "unet42")
@@ -322,7 +320,7 @@ def run_one(net, cloud, coords, feats, dtypes, args, out):
         free_memory()
         out["runs"].append(rec)
         report(rec, out.get("peaks"))
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        write_json(args.out, out)
 
 
 def diagnose(ours, twin, x, tfeats, indices, spatial, lo):
@@ -582,7 +580,7 @@ def main():
                 run_one(net, cloud, coords, feats, args.dtypes.split(","), args, out)
                 progress.update(1)
     out["recorded"] = recorded(args.note)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    write_json(args.out, out)
     print(f"full results: {args.out}")
     return 0
 

@@ -86,15 +86,13 @@ contender; the fp32 rows' structure is unchanged) and ``ours_over_best`` (ours' 
 over the faster spconv's).
 """
 import argparse
-import json
 import traceback
-from pathlib import Path
 
 import numpy as np
 
 from bench_net import (NETS, build_ours, build_spconv, calibrated_state, contender_peaks, free_memory,
                        load_cloud, rel_err_by_coords, spconv_input, spconv_output, wall_interleaved)
-from common import CROPS, SCANS, find_data, recorded
+from common import CROPS, SCANS, find_data, recorded, write_json
 
 DTYPES = ("float32", "float16")
 SPCONV_ALGOS = ("Native", "MaskImplicitGemm")
@@ -224,7 +222,7 @@ def run_one(net, cloud, coords, feats, args, out):
         free_memory()
         out["runs"].append(rec)
         report(rec)
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        write_json(args.out, out)
 
 
 def _models(net, feats, setup):
@@ -481,7 +479,7 @@ def main(argv=None):
                 run_one(net, cloud, coords, feats, args, out)
                 progress.update(1)
     out["recorded"] = recorded(args.note)  # again, now that the peers' versions are known
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    write_json(args.out, out)
     print(f"full results: {args.out}")
 
 

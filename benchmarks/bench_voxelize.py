@@ -14,15 +14,13 @@ and launch overheads dominate.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 
-from common import HOST_AND_GPU, find_data, recorded, repeated, scan_points
+from common import HOST_AND_GPU, find_data, recorded, repeated, scan_points, write_json
 
 
 def main():
@@ -67,7 +65,7 @@ def main():
     for k, v in rows.items():
         print(f"{k:26s} {v['gpu_ms']:8.3f} {v['host_ms']:8.3f} {v['numpy_ms']:9.2f} {v['numpy_ms'] / v['host_ms']:15.1f}x")
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -252,6 +252,48 @@ def rounds_for(reps, block):
     return -(-reps // block)
 
 
+# ------------------------------------------------------------------- result files
+def write_json(path, obj, indent=1, default=None):
+    """``obj`` as JSON at ``path``, written atomically (a reader, or a run killed midway,
+    never sees half a file; see :func:`numba_sc.core.files.atomic_write`). ``default``:
+    as :func:`json.dumps`'s, for values JSON has no type for."""
+    import json
+
+    from numba_sc.core.files import atomic_write
+
+    text = json.dumps(obj, indent=indent, default=default) + "\n"
+    atomic_write(path, lambda f: f.write(text), mode="w", name="--out")
+
+
+# ------------------------------------------------------------------- older copies
+def package_copies(base, names=None):
+    """This checkout's ``numba_sc`` as ``"new"``, then older copies of the package kept in
+    ``base`` as ``<name>_sc/`` (``cp -r <worktree>/numba_sc .ab/<name>_sc``), imported
+    under those names: ``{"new": numba_sc, name: module, ...}``. ``names``: which copies
+    (an iterable, or a comma-separated string); None: every ``*_sc`` folder in ``base``,
+    none when ``base`` is missing. The package imports itself relatively, so each copy is
+    self-contained."""
+    import importlib
+
+    import numba_sc
+
+    packages = {"new": numba_sc}
+    folder = Path(base).resolve()
+    if names is None:
+        names = sorted(p.name[:-3] for p in folder.glob("*_sc")) if folder.is_dir() else []
+    elif isinstance(names, str):
+        names = [n for n in names.split(",") if n]
+    missing = [n for n in names if not (folder / f"{n}_sc").is_dir()]
+    if missing:
+        raise SystemExit(f"no copy {', '.join(f'{n}_sc/' for n in missing)} in {folder}: copy an older "
+                         f"tree's numba_sc/ there first (see ab_compare.py)")
+    if names and str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    for name in names:
+        packages[name] = importlib.import_module(f"{name}_sc")
+    return packages
+
+
 # ------------------------------------------------------------------- peak memory
 def cupy_peak(fn):
     """The device memory ``fn()`` holds at most from CuPy's default memory pool: a dict

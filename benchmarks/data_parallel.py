@@ -54,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import CyclingScans, find_data, recorded, scan_crops, sync
+from common import CyclingScans, find_data, recorded, scan_crops, sync, write_json
 
 
 # ------------------------------------------------------------------ the parent
@@ -360,7 +360,7 @@ def worker(args):
     log(f"amp: {out['amp']['speedup']:.2f}x, scale {half.scaler.scale}, skipped {half.scaler.skipped}")
     barrier()
     if rank == 0:
-        Path(args.part).write_text(json.dumps(out))
+        write_json(args.part, out, indent=None)
     comm.close()
     return 0
 

@@ -42,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import find_data, recorded, scan_points  # noqa: E402
+from common import find_data, recorded, scan_points, write_json  # noqa: E402
 
 VOXELS = (0.05, 0.1, 0.2)
 SCAN_FILES = {"kitti": ("semantickitti_000000.bin", 4), "scannet": ("scannet_scene0000_00.bin", 6),
@@ -287,9 +287,7 @@ def merge(files, out):
             (merged["repeats"] if r["cloud"] in seen else merged["runs"]).append(r)
             seen.add(r["cloud"])
     merged["summary"] = summarize(merged["runs"])
-    tmp = Path(str(out) + ".tmp")
-    tmp.write_text(json.dumps(merged, indent=1))
-    tmp.replace(out)
+    write_json(out, merged)
     return merged
 
 
@@ -326,9 +324,7 @@ def main(argv=None):
             rec["traceback"] = traceback.format_exc()[-2000:]
         out["runs"].append(rec)
         print(summary_line(rec), flush=True)
-        tmp = Path(args.out + ".tmp")
-        tmp.write_text(json.dumps(out, indent=1))
-        tmp.replace(args.out)
+        write_json(args.out, out)
 
 
 if __name__ == "__main__":

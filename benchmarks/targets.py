@@ -45,7 +45,7 @@ import argparse
 import json
 from pathlib import Path
 
-from common import CROPS, RESULTS
+from common import CROPS, RESULTS, write_json
 
 SOURCES = {  # the runs of targets.sh -> the file each writes
     "net_small": "targets_net_small.json", "net": "targets_net.json", "map": "targets_map.json",
@@ -273,7 +273,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     out_path = args.out or str(RESULTS / ISSUES[args.issue][3])
     out = collect(args.issue, args.results)
-    Path(out_path).write_text(json.dumps(out, indent=1))
+    write_json(out_path, out)
     for row in out["rows"]:
         limit = "report only" if row["limit"] is None else f"limit {row['limit']:.2f}"
         verdict = "" if row["met"] is None else ("met" if row["met"] else "MISSED")

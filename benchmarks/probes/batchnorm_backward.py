@@ -12,7 +12,6 @@ step, ``numba_sc.nn.pointwise.batch_norm_backward`` (which every BatchNorm calls
 pointed at v1 or v2 before each call.
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
 
-from common import HOST_AND_GPU, find_data, interleaved, recorded, rounds_for, scan_coords  # noqa: E402
+from common import HOST_AND_GPU, find_data, interleaved, recorded, rounds_for, scan_coords, write_json  # noqa: E402
 
 
 def shape_rows(args, n_scan):
@@ -117,13 +116,13 @@ def main():
             print(f"{n} x {c} {r['dtype']}: v1 {r['v1']['host_ms']:.3f} ms (gpu {r['v1']['gpu_ms']:.3f}), "
                   f"v2 {r['v2']['host_ms']:.3f} ms (gpu {r['v2']['gpu_ms']:.3f}), "
                   f"max err v2 {max(r['rel_err']['v2'].values()):.1e}", flush=True)
-            Path(args.out).write_text(json.dumps(res, indent=1))
+            write_json(args.out, res)
     if not args.no_step:
         s = time_step(data, args.step_reps)
         res["step"] = s
         print(f"MinkUNet42 step ({s['n']} voxels, fp32): v1 {s['v1']['ms']:.2f} ms, v2 {s['v2']['ms']:.2f} ms",
               flush=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ largest difference of the two steps' weight gradients.
 Never runs in CI.
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
 
-from common import find_data, interleaved, recorded  # noqa: E402
+from common import find_data, interleaved, recorded, write_json  # noqa: E402
 
 
 def array_library_update(x, running_mean, running_var, momentum):
@@ -88,7 +87,7 @@ def main():
             print(f"{cloud:10s} {dt:8s} step: six launches {rec['step_ms']['six launches']:8.2f} ms, array library "
                   f"{rec['step_ms']['array library']:8.2f} ms: {rec['ratio']:.2f}x; worst gradient difference "
                   f"{worst:.1e}", flush=True)
-            Path(args.out).write_text(json.dumps(out, indent=1))
+            write_json(args.out, out)
 
 
 if __name__ == "__main__":

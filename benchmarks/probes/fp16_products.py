@@ -24,7 +24,6 @@ them for scale.
 Never runs in CI.
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
 
-from common import find_data, gpu_ms, interleaved, recorded, scan_coords, wall_ms  # noqa: E402
+from common import find_data, gpu_ms, interleaved, recorded, scan_coords, wall_ms, write_json  # noqa: E402
 
 
 def main():
@@ -84,9 +83,9 @@ def main():
         ms = rec["ms"]
         print(f"{c:4d} {ms['fp16, fp32 products']:20.3f} {ms['fp16, fp16 products']:20.3f} {rec['ratio']:6.2f} "
               f"{ms['fp32 layer']:11.3f} {diff:11.2e}  (GPU time ratio {rec['gpu_ratio']:.2f})", flush=True)
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        write_json(args.out, out)
     out["net"] = [network_ab(cloud, args) for cloud in args.net.split(",") if cloud]
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    write_json(args.out, out)
     print(f"wrote {args.out}")
 
 

@@ -18,8 +18,6 @@ Never runs in CI.
 """
 import argparse
 import collections
-import importlib
-import json
 import os
 import re
 import statistics
@@ -32,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py, ab_compare.py
 
 from ab_compare import nets  # noqa: E402
-from common import random_coords, recorded, sync  # noqa: E402
+from common import package_copies, random_coords, recorded, sync, write_json  # noqa: E402
 
 
 def kernel_name(name):
@@ -90,12 +88,7 @@ def main():
     args = ap.parse_args()
 
     import torch  # noqa: F401 - the profiler; listed in the record
-    import numba_sc
-
-    packages = {"new": numba_sc}
-    sys.path.insert(0, str(Path(args.base).resolve()))
-    for name in filter(None, args.copies.split(",")):
-        packages[name] = importlib.import_module(f"{name}_sc")
+    packages = package_copies(args.base, args.copies)
     coords = random_coords()
     calls = nets(packages, coords, np.dtype(args.dtype))
     res = {}
@@ -113,7 +106,7 @@ def main():
         print(f"{k[:44]:44s}" + "".join("{:9.2f}/{:<5.0f}".format(*r["kernels"].get(k, [0, 0])) for r in res.values()))
     out = {"recorded": recorded(args.note), "net": args.net, "dtype": args.dtype, "voxels": len(coords),
            "workspace_mb": os.environ.get("NUMBA_SC_WORKSPACE_MB", "default"), "packages": res}
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    write_json(args.out, out)
 
 
 if __name__ == "__main__":

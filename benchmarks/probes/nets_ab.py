@@ -17,8 +17,6 @@ The copies are older trees of the package in ``--base`` as ``<name>_sc/`` (see
 Never runs in CI.
 """
 import argparse
-import importlib
-import json
 import sys
 from pathlib import Path
 
@@ -27,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py, ab_compare.py
 
 from ab_compare import nets  # noqa: E402
-from common import cupy_peak, interleaved, random_coords, recorded, sync  # noqa: E402
+from common import cupy_peak, interleaved, package_copies, random_coords, recorded, sync, write_json  # noqa: E402
 
 
 def main():
@@ -40,12 +38,7 @@ def main():
     a = ap.parse_args()
     import cupy
 
-    import numba_sc as new
-    from numba_sc.core.files import atomic_write
-    sys.path.insert(0, a.base)
-    packages = {"new": new}
-    for name in [n for n in a.copies.split(",") if n]:
-        packages[name] = importlib.import_module(name + "_sc")
+    packages = package_copies(a.base, a.copies)
     coords = random_coords()
     rows = {}
     for dtype in a.dtypes.split(","):
@@ -69,8 +62,7 @@ def main():
         cupy.get_default_memory_pool().free_all_blocks()
     for k, v in rows.items():
         print(f"{k:28s} {v['ms']:8.2f} ms  peak {v['peak_MiB']:6d} MiB  extra {v['extra_MiB']:6d} MiB")
-    text = json.dumps({"recorded": recorded(a.note), "rows": rows}, indent=1) + "\n"
-    atomic_write(a.out, lambda f: f.write(text), mode="w", name="--out")
+    write_json(a.out, {"recorded": recorded(a.note), "rows": rows})
 
 
 if __name__ == "__main__":

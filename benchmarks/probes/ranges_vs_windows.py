@@ -18,7 +18,6 @@ and windows' counts, the two medians, and the two outputs' largest difference ov
 the largest value. Never runs in CI.
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py, ab_compare.py
 
 from ab_compare import nets  # noqa: E402
-from common import interleaved, random_coords, recorded, sync  # noqa: E402
+from common import interleaved, random_coords, recorded, sync, write_json  # noqa: E402
 
 
 def main():
@@ -42,7 +41,6 @@ def main():
 
     import numba_sc
     from numba_sc.conv import dataflow, layer
-    from numba_sc.core.files import atomic_write
     from numba_sc.core.device import l2_cache_bytes
     from numba_sc.gmas import output_ranges as orr
     from numba_sc.gmas.workspace import window_rows, windows
@@ -115,8 +113,7 @@ def main():
             state["rows"] = None
         del calls
         cupy.get_default_memory_pool().free_all_blocks()
-    text = json.dumps({"recorded": recorded(a.note), "l2_MB": round(l2_cache_bytes() / 1e6, 1), "layers": out}, indent=1) + "\n"
-    atomic_write(a.out, lambda f: f.write(text), mode="w", name="--out")
+    write_json(a.out, {"recorded": recorded(a.note), "l2_MB": round(l2_cache_bytes() / 1e6, 1), "layers": out})
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Never runs in CI.
 """
 import argparse
 import cProfile
-import json
 import pstats
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
 
-from common import HOST_THEN_GPU, find_data, interleaved, recorded, scan_coords  # noqa: E402
+from common import HOST_THEN_GPU, find_data, interleaved, recorded, scan_coords, write_json  # noqa: E402
 
 MAPS = {"subm k3": dict(kernel_size=3), "strided k2 s2": dict(kernel_size=2, stride=2),
         "strided k3 s2": dict(kernel_size=3, stride=2)}
@@ -156,7 +155,7 @@ def main():
             print(f"  {'':14s} launches {r['host_work']['launches']}, reads {r['host_work']['reads']}")
             for f, ms, n in r["top"][:8]:
                 print(f"      {ms:8.4f} ms  x{n:<3d} {f}")
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

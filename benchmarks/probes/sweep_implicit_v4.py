@@ -12,13 +12,12 @@ against the reference is recorded beside its time.
 """
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
 
-from common import find_data, recorded, scan_coords  # noqa: E402
+from common import find_data, recorded, scan_coords, write_json  # noqa: E402
 
 
 def main():
@@ -46,7 +45,7 @@ def main():
         print(f"C={c:4d} fp16: v3 {times['v3']:8.1f} us  v4 {times['v4']:8.1f} us  v3/v4 "
               f"{times['v3'] / times['v4']:.2f}  (v4 error {rows[-1]['error']:.1e})", flush=True)
     rec = {"points": int(len(coords)), "rows": rows, "rounds": args.rounds, "recorded": recorded(args.note)}
-    Path(args.out).write_text(json.dumps(rec, indent=1))
+    write_json(args.out, rec)
     print(f"results: {args.out}")
 
 

@@ -15,7 +15,6 @@ median of 20 after warm-up), and the bytes each takes from CuPy's pool at most
 ``keep_buffer`` answer no. Never runs in CI.
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/
 
 from bench_train import OursAmp  # noqa: E402
-from common import cupy_peak, find_data, interleaved, random_coords, recorded, scan_coords, sync  # noqa: E402
+from common import cupy_peak, find_data, interleaved, random_coords, recorded, scan_coords, sync, write_json  # noqa: E402
 
 
 def main():
@@ -40,7 +39,6 @@ def main():
 
     import numba_sc as ns
     from numba_sc import nn
-    from numba_sc.core.files import atomic_write
     real_keep = nn.Tape.keep_buffer
 
     def mode(step, keep):
@@ -88,8 +86,7 @@ def main():
                       flush=True)
                 del m, calls, step, g
                 cupy.get_default_memory_pool().free_all_blocks()
-    text = json.dumps({"recorded": recorded(a.note), "rows": rows}, indent=1) + "\n"
-    atomic_write(a.out, lambda f: f.write(text), mode="w", name="--out")
+    write_json(a.out, {"recorded": recorded(a.note), "rows": rows})
 
 
 if __name__ == "__main__":

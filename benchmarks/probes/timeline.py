@@ -19,7 +19,6 @@ the host's launches and reads.
 Never runs in CI.
 """
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
 
-from common import find_data, recorded, scan_coords, sync  # noqa: E402
+from common import find_data, recorded, scan_coords, sync, write_json  # noqa: E402
 
 
 def busy_ms(intervals):
@@ -154,7 +153,7 @@ def main():
                 if args.frequent:
                     for name, c in t["frequent"]:
                         print(f"{'':40s}{c:8.1f} x   {name}")
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        write_json(args.out, out)
 
 
 if __name__ == "__main__":

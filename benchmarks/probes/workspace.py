@@ -16,7 +16,6 @@ cloud, dtype and bound (MiB; 0 = unbounded, every layer in one window), this rec
 Never runs in CI.
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
 
-from common import cupy_peak, find_data, interleaved, random_coords, recorded, scan_coords  # noqa: E402
+from common import cupy_peak, find_data, interleaved, random_coords, recorded, scan_coords, write_json  # noqa: E402
 
 
 def cloud(name, data):
@@ -111,7 +110,7 @@ def main():
                                      f" MiB" if args.train else "")
                                   + f", err {rec['by_bound'][str(b)]['rel_err_vs_first']:.1e}" for b in bounds)
                 print(f"{net} {cname} {len(coords)} {dt}: {line}", flush=True)
-                Path(args.out).write_text(json.dumps(out, indent=1))
+                write_json(args.out, out)
                 del model, x
                 cupy.get_default_memory_pool().free_all_blocks()
 
