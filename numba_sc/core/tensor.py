@@ -26,6 +26,12 @@ Worked example, a two-level U-Net (``c`` a coordinate set, ``m`` a map)::
     x1' = subm(x1)    map built on c1, kept in c1.subm
     y0 = up(x1')      c1.up[(2, 2, 1)] gives m1: read backwards, output on c0,
                       with c0's maps: the next subm layer reuses m0
+
+c0 holds c1 (through ``down``), and c1 points back at c0 (through ``up``). That back
+link is weak (:class:`Parents`): were it strong, the two would form a reference
+cycle, and Python frees a cycle only when its cyclic collector happens to run, so
+every map of both sets (their tables and plans, device memory) would outlive the
+tensors that used them, into the next forward pass.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ import numpy as np
 
 from . import conventions as cv
 import importlib.util
+import weakref
 
 from .device import array_module, device_id, is_cupy, require_device
 from .backend import like, to_device, to_host
@@ -53,17 +60,61 @@ class CoordinateMaps:
         its inputs, and the name of the layer that built it. A transposed layer
         finds here the map it reads backwards.
 
-    Keys are tuples of 3 ints each (:func:`map_key`).
+    Keys are tuples of 3 ints each (:func:`map_key`). ``up`` holds its coordinate
+    sets weakly (:class:`Parents`).
     """
 
-    __slots__ = ("subm", "down", "up")
+    __slots__ = ("subm", "down", "up", "__weakref__")
 
     def __init__(self):
-        self.subm, self.down, self.up = {}, {}, {}
+        self.subm, self.down, self.up = {}, {}, Parents()
 
     def __repr__(self):
         return (f"CoordinateMaps(subm={sorted(self.subm)}, down={sorted(self.down)}, "
                 f"up={sorted(self.up)})")
+
+
+class Parents(dict):
+    """:attr:`CoordinateMaps.up`: ``key -> (KernelMap, CoordinateMaps, layer)``, the
+    coordinate set held by a weak reference (the module docstring says why: it holds
+    this one strongly, through its ``down``).
+
+    Read like a dict of those triples. While a network runs, the finer set is alive
+    (its tensors are: the skip connections, the input), so the transposed layer
+    finds it with its maps. If every tensor on it is gone, the entry hands out a
+    fresh, empty set for those coordinates instead (and keeps it, weakly, for the
+    next reader): the maps on it are built again when a layer asks for them.
+    """
+
+    def __setitem__(self, key, value):
+        km, maps, layer = value
+        super().__setitem__(key, (km, weakref.ref(maps), layer))
+
+    def __getitem__(self, key):
+        km, ref, layer = super().__getitem__(key)
+        maps = ref()
+        if maps is None:  # gone with its tensors: a fresh set on the same coordinates
+            maps = CoordinateMaps()
+            super().__setitem__(key, (km, weakref.ref(maps), layer))
+        return km, maps, layer
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def values(self):
+        return [self[k] for k in self]
+
+    def items(self):
+        return [(k, self[k]) for k in self]
+
+    def setdefault(self, key, default):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def update(self, *args, **kw):
+        for k, v in dict(*args, **kw).items():
+            self[k] = v
 
 
 def as_array(a, name: str):
