@@ -36,9 +36,11 @@ gathers both of its buffers window by window, adding the products of a split
 member into the same slot (cuBLAS's ``beta = 1``).
 
 A layer given its map runs by ranges of its outputs instead, wherever they fit
-(:mod:`numba_sc.gmas.output_ranges`: each output written once, no running sums);
-the windows serve the rest (a bound below one chunk's pairs and their padding, a
-layer called without its map) and the weight gradient, which has no scatter.
+and pay (:mod:`numba_sc.gmas.output_ranges`: each output written once, no running
+sums; :func:`~numba_sc.gmas.output_ranges.ranges_pay`: outputs whose sums are too
+big to read again cheaply); the windows serve the rest (sums that stay about in
+the L2 cache, a bound below one chunk's pairs and their padding, a layer called
+without its map) and the weight gradient, which has no scatter.
 
 Worked example: a layer of 1,000 buffer rows, 64 -> 64 channels, fp32, whose
 rows cost ``4 * 64 + 4 * 64 = 512`` bytes, in a workspace of 200 KiB (400 rows):

@@ -84,8 +84,11 @@ class Tape:
         gradient (saving a gather in the backward pass): yes while the buffers kept by
         this tape stay within ``keep_buffers`` (None: the workspace, unbounded when it
         is), which counts them. A layer told no gathers again in the backward."""
-        bound = workspace_bytes() if self.keep_buffers is None else self.keep_buffers
-        if (bound or self.keep_buffers == 0) and self.kept_bytes + nbytes > bound:
+        if self.keep_buffers is None:
+            bound = workspace_bytes() or None  # (a workspace of 0 is unbounded)
+        else:
+            bound = self.keep_buffers
+        if bound is not None and self.kept_bytes + nbytes > bound:
             return False
         self.kept_bytes += nbytes
         return True
