@@ -253,16 +253,17 @@ def rounds_for(reps, block):
 
 
 # ------------------------------------------------------------------- result files
-def write_json(path, obj, indent=1, default=None):
+def write_json(path, obj, indent=1, default=None, name="--out"):
     """``obj`` as JSON at ``path``, written atomically (a reader, or a run killed midway,
     never sees half a file; see :func:`numba_sc.core.files.atomic_write`). ``default``:
-    as :func:`json.dumps`'s, for values JSON has no type for."""
+    as :func:`json.dumps`'s, for values JSON has no type for; ``name``: the option that
+    gave ``path``, for the error when it cannot be written."""
     import json
 
     from numba_sc.core.files import atomic_write
 
     text = json.dumps(obj, indent=indent, default=default) + "\n"
-    atomic_write(path, lambda f: f.write(text), mode="w", name="--out")
+    atomic_write(path, lambda f: f.write(text), mode="w", name=name)
 
 
 # ------------------------------------------------------------------- older copies

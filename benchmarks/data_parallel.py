@@ -360,7 +360,7 @@ def worker(args):
     log(f"amp: {out['amp']['speedup']:.2f}x, scale {half.scaler.scale}, skipped {half.scaler.skipped}")
     barrier()
     if rank == 0:
-        write_json(args.part, out, indent=None)
+        write_json(args.part, out, indent=None, name="--part")
     comm.close()
     return 0
 

@@ -10,8 +10,8 @@ probe runs each network's forward pass on the 1M random cloud once; each time a
 layer calls :func:`numba_sc.conv.dataflow.gather_gemm_scatter` past the bound, it
 times that call both ways on the layer's own arrays (wall clock between device-wide
 synchronizes, the two interleaved call by call, median of 20 after warm-up), then
-lets the pass go on. The windows are forced by making ``layer_ranges`` answer
-"none". Each row: the layer's shape (channels, outputs, buffer rows, rows the
+lets the pass go on. Either way is forced through ``output_ranges.MIN_SUMS_BYTES``
+(0: every such layer by ranges where it can be cut; infinite: by windows). Each row: the layer's shape (channels, outputs, buffer rows, rows the
 workspace allows), the outputs' fp32 sums in MB and whether
 :func:`numba_sc.gmas.output_ranges.ranges_pay` picks the ranges for it, the ranges'
 and windows' counts, the two medians, and the two outputs' largest difference over
@@ -59,20 +59,12 @@ def main():
 
         def run(by_ranges):
             start = None if init is None else init.copy()  # (both ways sum into it in place)
-            if by_ranges:  # whatever ranges_pay says
-                orr.MIN_SUMS_BYTES = 0
-                try:
-                    return original(features, weight, plan, tiles, backend, start, None, products,
-                                    kernel_map=kernel_map, transposed=transposed)
-                finally:
-                    orr.MIN_SUMS_BYTES = floor
-            kept = dataflow.layer_ranges
-            dataflow.layer_ranges = lambda *args: (None, None)
+            orr.MIN_SUMS_BYTES = 0 if by_ranges else float("inf")  # whatever ranges_pay would say
             try:
                 return original(features, weight, plan, tiles, backend, start, None, products,
                                 kernel_map=kernel_map, transposed=transposed)
             finally:
-                dataflow.layer_ranges = kept
+                orr.MIN_SUMS_BYTES = floor
 
         a_out, b_out = run(True), run(False)
         sync()
