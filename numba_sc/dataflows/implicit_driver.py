@@ -25,7 +25,6 @@ from ..core.state import STATE, cached
 from .implicit_gemm import (LADDER, RUNS, ImplicitPlan, check_plan, run_v3, run_v4, split_bounds, split_select,
                             split_words)
 from .implicit_shapes import TensorTiles, Tiles, check_inputs, check_plan_args
-from .tensor_cores import check_gpu
 
 
 # ------------------------------------------------------------------ the plan
@@ -115,21 +114,22 @@ TENSOR_CORE_MIN_CHANNELS = 8
 
 @cached
 def tensor_cores_here() -> bool:
-    """Whether this process's kernels can run v4: a GPU (not the simulator) of compute
-    capability 8.0 or later (the first with ``mma.m16n8k16`` in fp16), unless
+    """Whether this process's kernels can run v4: a GPU of compute capability 8.0 or
+    later (the first with ``mma.m16n8k16`` in fp16), or the simulator (which runs the
+    mma's Python stand-in, so that it steps through what a GPU runs), unless
     ``NUMBA_SC_TENSOR_CORES=0`` turns the rung off (to compare with v3, or to rule it
     out while debugging). Asked once per process: every layer call would otherwise pay
     a driver query (one process drives one GPU, as ``numba_sc.train.parallel`` does)."""
     if not STATE.switch("tensor_cores"):
         return False
-    return not simulating() and tuple(cuda.get_current_device().compute_capability) >= (8, 0)
+    return simulating() or tuple(cuda.get_current_device().compute_capability) >= (8, 0)
 
 
 def library_rung(dtype, c_in: int, c_out: int) -> str:
     """The rung :func:`implicit_gemm_cuda` runs: ``"v4"`` (tensor cores) for fp16 on a
     GPU that has them, with at least :data:`TENSOR_CORE_MIN_CHANNELS` channels in
-    and out; ``"v3"`` for fp32, narrower layers and under the simulator, which
-    cannot run v4's linked C++."""
+    and out (on a GPU that has them, or under the simulator); ``"v3"`` for fp32 and
+    narrower layers."""
     if np.dtype(dtype) != np.float16 or min(c_in, c_out) < TENSOR_CORE_MIN_CHANNELS:
         return "v3"
     return "v4" if tensor_cores_here() else "v3"
@@ -156,14 +156,14 @@ def implicit_gemm_cuda(features, weight, table, plan, init=None, *, tiles: Tiles
 
 def implicit_gemm_rung(rung: str, features, weight, table, plan, init=None):
     """Run one rung of the ladder (``"v1"`` .. ``"v4"``); returns the (n_out, C_out)
-    output on the device side. v1 and v2 read only the plan's ``skip``. v4 runs on
-    a GPU only, and for fp32 data it is v3 (the library keeps fp32 there)."""
+    output on the device side. v1 and v2 read only the plan's ``skip``. v4 runs its
+    tile products on the tensor cores of a GPU, under the simulator on their Python
+    stand-in (:func:`numba_sc.dataflows.tensor_cores.emulated_warp_mma`); for fp32
+    data it is v3 (the library keeps fp32 there)."""
     names = tuple(r.name for r in LADDER.declared)
     if rung not in names:
         raise ValueError(f"rung must be one of {names}, got {rung!r}")
     K, n_out, _, c_out = check_inputs(features, weight, table, init)
     check_plan(plan, K, n_out)
     f, w, t = to_device(features), to_device(weight), to_device(table)
-    if rung == "v4":
-        check_gpu("implicit_gemm v4")
     return RUNS[rung](f, w, t, plan, init)

@@ -58,8 +58,10 @@ The ladder, one idea a rung (``python -m numba_sc ladder implicit_gemm``, record
           with vector loads (the library's in fp32; on the dense cloud it beats
           gather-GEMM-scatter at 32 and 64 channels, ``alternatives.json``)
     v4  + the tile's multiply-accumulate on the tensor cores (``mma.m16n8k16`` in
-          ``mma.cu``); GPU and fp16 only, the library's in fp16 from
-          ``TENSOR_CORE_MIN_CHANNELS`` channels (``implicit_v4_channels.json``)
+          ``mma.cu``; under the simulator a Python stand-in computes each lane's
+          share, :func:`numba_sc.dataflows.tensor_cores.emulated_warp_mma`); fp16
+          only, the library's in fp16 from ``TENSOR_CORE_MIN_CHANNELS`` channels
+          (``implicit_v4_channels.json``)
 
 The tile choices and argument checks are in :mod:`numba_sc.dataflows.implicit_shapes`;
 the device plan and the library's launcher in :mod:`numba_sc.dataflows.implicit_driver`.
@@ -81,7 +83,7 @@ from ..core.state import cached
 from .implicit_shapes import (GPU_V2_TILE, SIM_V2_TILE, WORDS, TensorTiles, Tiles, cdiv, check_inputs,
                               check_plan_args, check_rows, check_skip, implicit_tiles, run_splits, tensor_tiles,
                               v4_shape)
-from .tensor_cores import c_col, c_row, check_gpu, data_pointer, warp_mma
+from .tensor_cores import c_col, c_row, data_pointer, warp_mma
 
 
 # ------------------------------------------------------------------ reference
@@ -520,7 +522,8 @@ def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
     b_size = tile_k * kw_b
     b_loads = -(-b_size // threads)
     k_steps = tile_k // 16  # mma steps a chunk
-    mma = warp_mma(mi, ni)  # the C++ (GPU only)
+    mma = warp_mma(mi, ni)  # the C++ (under the simulator, its Python stand-in)
+    align = None if simulating() else 16  # (ldmatrix's rows; the simulator takes no alignment)
 
     @cuda.jit(device=True, inline=True)
     def load_rows(fw, srcs, c0w, tid, a_reg):
@@ -557,8 +560,8 @@ def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
         tm = cuda.blockIdx.x // tiles_n
         m0 = tm * tile_m
         n0 = (cuda.blockIdx.x - tm * tiles_n) * tile_n
-        a_s = cuda.shared.array(a_shared, word_a, alignment=16)  # [row slot][channel], fp16 bits
-        b_s = cuda.shared.array(b_shared, word_b, alignment=16)  # [channel][output channel]
+        a_s = cuda.shared.array(a_shared, word_a, alignment=align)  # [row slot][channel], fp16 bits
+        b_s = cuda.shared.array(b_shared, word_b, alignment=align)  # [channel][output channel]
         acc = cuda.local.array(n_acc, float32)  # this lane's C fragments, (i, j, r)
         a_reg = cuda.local.array(a_loads, word_a)
         b_reg = cuda.local.array(b_loads, word_b)
@@ -614,6 +617,7 @@ def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
 
 
 
+
 # ------------------------------------------------------------ running each rung
 # A whole 3x3x3 submanifold layer outside the centre, added onto ``init`` (the
 # centre product): float sums in another order than the reference's, so a tolerance.
@@ -653,8 +657,7 @@ def run_v3(f, w, t, plan, init, tiles: Tiles | None = None):
 
 
 def run_v4(f, w, t, plan, init, tiles: TensorTiles | None = None):
-    """v4 on device arrays (checked by the caller): GPU and fp16 only."""
-    check_gpu("implicit_gemm v4")
+    """v4 on device arrays (checked by the caller): fp16 only."""
     if f.dtype != np.float16:
         raise TypeError(f"implicit_gemm v4 multiplies fp16 on tensor cores; features are {f.dtype}: "
                         "pass float16 features and weights, or run v3 (implicit_gemm_cuda picks it for fp32)")
@@ -679,9 +682,9 @@ RUNS = {"v1": run_v1, "v2": run_v2, "v3": run_v3,
         "v4": lambda f, w, t, plan, init: (run_v4 if f.dtype == np.float16 else run_v3)(f, w, t, plan, init)}
 
 
-def _rung(name, adds, gpu_only=False):
+def _rung(name, adds):
     return Rung(name, lambda w: RUNS[name](w["features"], w["weight"], w["km"].table, w["implicit_plan"], w["init"]),
-                adds, gpu_only)
+                adds)
 
 
 LADDER = Ladder(
@@ -690,8 +693,8 @@ LADDER = Ladder(
      _rung("v2", "+ shared-memory tiles of the gathered rows and of W[k]"),
      _rung("v3", "+ outputs sorted by offset mask, tiles skip absent offsets, a register tile (the library's "
                  "in fp32)"),
-     _rung("v4", "+ the tile's multiply-accumulate on tensor cores (mma in linked CUDA C++; fp16 only, "
-                 "fp32 runs v3; the library's in fp16)", gpu_only=True)),
+     _rung("v4", "+ the tile's multiply-accumulate on tensor cores (mma in linked CUDA C++, a Python stand-in "
+                 "under the simulator; fp16 only, fp32 runs v3; the library's in fp16)")),
     workload=_ladder_work,
     reference=lambda w: implicit_gemm_reference(to_host(w["features"]), to_host(w["weight"]),
                                                 to_host(w["km"].table), to_host(w["init"]), w["centre"]),

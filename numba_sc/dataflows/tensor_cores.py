@@ -68,9 +68,18 @@ arithmetic, what the gathers cost remains. What it bought, measured per
 channel count: ``benchmarks/results/ladder_implicit_gemm.json`` and
 ``benchmarks/results/implicit_v4_channels.json``.
 
-Under Numba's CUDA simulator the linked C++ cannot run (the simulator runs
-Python, one thread at a time): the functions here raise there, and the library
-runs the Python rungs.
+**Under Numba's CUDA simulator** the linked C++ cannot run (the simulator runs
+Python, one thread at a time), so :func:`warp_mma` hands the kernel a Python stand-in,
+:func:`emulated_warp_mma`, that computes what the C++ computes: each lane adds its own
+results (its places in the C layout above) from the shared tiles, in float32. No lane
+needs another lane's registers for that, because the tiles it reads sit in shared
+memory, unchanged between the kernel's barriers. So v4's Python half (the gathers, the
+shared tiles, the barriers, the epilogue) runs and can be stepped through on a machine
+without a GPU; what the stand-in cannot check is ``mma.cu`` itself (its ``ldmatrix``
+addresses and fragments), which :func:`mma_probe` and the GPU tests check on a GPU, and
+:mod:`numba_sc.tools.mma_model` models lane by lane in NumPy. The stand-in refuses what
+the hardware would get wrong silently: rows not 16-byte aligned, a warp tile reaching
+past its shared tile, tiles that are not fp16 bits.
 """
 from __future__ import annotations
 
@@ -85,14 +94,10 @@ from ..core.state import cached
 
 MMA_SOURCE = Path(__file__).with_name("mma.cu")  # shipped with the package (pyproject: package-data)
 MMA_SHAPES = ((1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4))  # warp tiles mma.cu defines: (16-row, 8-column) tiles
-GPU_ONLY = ("it calls CUDA C++ (tensor-core mma, numba_sc/dataflows/mma.cu) linked into the kernel, which "
-            "Numba's CUDA simulator cannot run")
 
 
 @intrinsic
-def data_pointer(typingctx, arr):
-    """The address of an array's first element as a ``void*`` (device code only):
-    how an array, global, shared or local, is handed to a C++ device function."""
+def _data_pointer(typingctx, arr):
     if not isinstance(arr, types.Array):
         return None
 
@@ -103,11 +108,16 @@ def data_pointer(typingctx, arr):
     return types.voidptr(arr), codegen
 
 
-def check_gpu(what: str):
-    """Raise the simulator's error for ``what``: linked C++ runs on a GPU only."""
-    if simulating():
-        raise RuntimeError(f"{what} runs on a GPU only: {GPU_ONLY}. Under the simulator the library runs "
-                           "the highest Python rung; run this with NUMBA_ENABLE_CUDASIM=0 on a GPU")
+def _the_array(arr):
+    """``data_pointer`` under the simulator: the array itself (a NumPy array), which the
+    C++'s stand-in, :func:`emulated_warp_mma`, takes as it is."""
+    return arr
+
+
+# data_pointer(arr): the address of an array's first element as a ``void*`` (device code
+# only), how an array, global, shared or local, is handed to a C++ device function. Under
+# the simulator an array is a NumPy array, and the C++'s stand-in takes it as it is.
+data_pointer = _the_array if simulating() else _data_pointer
 
 
 @cached
@@ -123,14 +133,67 @@ def warp_mma(mi: int, ni: int):
     16x8 tile ``(i, j)`` of the warp's and result ``r`` (:func:`c_row`, :func:`c_col`);
     ``a_tile``, ``b_tile``: row-major fp16 shared arrays with ``a_pitch``,
     ``b_pitch`` fp16 values a row (a multiple of 8: rows 16-byte aligned). The
-    return value (an int32 the C++ sets to 0) means nothing.
+    return value (an int32 the C++ sets to 0) means nothing. Under the simulator:
+    :func:`emulated_warp_mma`, called the same way.
     """
-    check_gpu("warp_mma")
     if (mi, ni) not in MMA_SHAPES:
         raise ValueError(f"(mi, ni) must be one of {MMA_SHAPES} (the warp tiles mma.cu defines), got {(mi, ni)}")
+    if simulating():
+        return emulated_warp_mma(mi, ni)
     return cuda.declare_device(f"implicit_mma_m{mi}n{ni}",
                                "int32(voidptr, voidptr, voidptr, int32, int32, int32, int32, int32)",
                                link=str(MMA_SOURCE))
+
+
+FP16_BITS = (np.float16, np.uint16, np.uint32, np.uint64)  # a shared tile's dtypes: fp16 values, or words of them
+
+
+def emulated_warp_mma(mi: int, ni: int):
+    """The simulator's stand-in for ``implicit_mma_m<mi>n<ni>``: the same call, the same
+    sums, in Python (see the module docstring); a device function, which under the
+    simulator each lane's thread runs as plain Python.
+
+    Lane ``lane`` adds, onto its accumulators ``acc[(i ni + j) 4 + r]``, row
+    ``row0 + 16 i + c_row(lane, r)`` of ``A`` times column ``col0 + 8 j + c_col(lane, r)``
+    of ``B`` over the first ``16 k_steps`` channels: its share of the warp's tile, no
+    more. Products of fp16 values are exact in float32; the sum is float32, in NumPy's
+    order (the tensor cores' own order and internal rounding are not documented, so
+    the GPU agrees to float32 rounding, not bit for bit).
+    """
+    rows_w, cols_w = 16 * mi, 8 * ni  # the warp tile
+
+    @cuda.jit(device=True)
+    def mma(acc, a_tile, b_tile, a_pitch, b_pitch, row0, col0, k_steps):
+        block = cuda.blockDim.x * cuda.blockDim.y * cuda.blockDim.z
+        if block % 32:
+            raise ValueError(f"mma.sync is a whole warp's instruction: the block's {block} threads must be "
+                             "whole warps (a multiple of 32)")
+        for name, tile in (("a_tile", a_tile), ("b_tile", b_tile)):
+            if tile.dtype not in FP16_BITS:
+                raise TypeError(f"{name} must hold fp16 values (float16, or uint16/32/64 words of them), "
+                                f"got {tile.dtype}")
+        if a_pitch % 8 or b_pitch % 8 or col0 % 8:
+            raise ValueError("ldmatrix reads 16-byte aligned rows: a_pitch, b_pitch and col0 must be multiples "
+                             f"of 8 fp16 values, got a_pitch={a_pitch}, b_pitch={b_pitch}, col0={col0}")
+        a = a_tile.view(np.float16)
+        b = b_tile.view(np.float16)
+        depth = 16 * k_steps  # channels summed
+        if (depth > a_pitch or row0 < 0 or (row0 + rows_w) * a_pitch > a.size
+                or col0 < 0 or col0 + cols_w > b_pitch or depth * b_pitch > b.size):
+            raise ValueError(f"the warp tile (rows {row0}..{row0 + rows_w - 1}, columns {col0}.."
+                             f"{col0 + cols_w - 1}, {depth} channels) reaches past its shared tiles: A holds "
+                             f"{a.size // a_pitch} rows of {a_pitch}, B {b.size // b_pitch} rows of {b_pitch}")
+        lane = cuda.threadIdx.x % 32  # (mma.cu: threadIdx.x & 31)
+        g, t = lane // 4, lane % 4
+        rows = (row0 + 16 * np.arange(mi)[:, None] + np.array([g, g + 8])).ravel()  # (i, half)
+        cols = (col0 + 8 * np.arange(ni)[:, None] + np.array([2 * t, 2 * t + 1])).ravel()  # (j, column)
+        k = np.arange(depth)
+        mine = a[rows[:, None] * a_pitch + k].astype(np.float32) @ b[k[:, None] * b_pitch + cols].astype(np.float32)
+        # mine[2 i + half, 2 j + column] is result r = 2 half + column of tile (i, j)
+        acc[:4 * mi * ni] += mine.reshape(mi, 2, ni, 2).transpose(0, 2, 1, 3).ravel()
+        return 0
+
+    return mma
 
 
 @cuda.jit(device=True, inline=True)
@@ -157,21 +220,22 @@ def _probe_kernel():
     mma = warp_mma(1, 2)
     pitch = 24  # 16 columns + 8: 48-byte rows, 16-byte aligned
     size = 16 * pitch  # (a shared array's size must be a constant, not an expression)
+    align = None if simulating() else 16  # (ldmatrix's rows; the simulator takes no alignment)
 
     @cuda.jit
     def probe(a, b, out):
         """One warp: A (16x16) and B (16x16) into shared memory, one call of the
         C++, the 16x16 fp32 product written from each lane's results."""
         lane = cuda.threadIdx.x
-        a_s = cuda.shared.array(size, types.float16, alignment=16)
-        b_s = cuda.shared.array(size, types.float16, alignment=16)
+        a_s = cuda.shared.array(size, types.float16, alignment=align)
+        b_s = cuda.shared.array(size, types.float16, alignment=align)
         for e in range(lane, 256, 32):
             a_s[(e // 16) * pitch + e % 16] = a[e // 16, e % 16]
             b_s[(e // 16) * pitch + e % 16] = b[e // 16, e % 16]
         acc = cuda.local.array(8, float32)
         for q in range(8):
             acc[q] = float32(0.0)
-        cuda.syncwarp()
+        cuda.syncthreads()  # (the block is one warp; the simulator has no syncwarp)
         mma(data_pointer(acc), data_pointer(a_s), data_pointer(b_s), pitch, pitch, 0, 0, 1)
         for j in range(2):
             for r in range(4):
@@ -181,10 +245,10 @@ def _probe_kernel():
 
 
 def mma_probe(a, b) -> np.ndarray:
-    """``a @ b`` for two 16x16 fp16 matrices by one warp's two ``mma`` (GPU only):
-    the smallest check that the C++ links, the fragments are where the layout
-    above says, and the products are right (to fp32 rounding). Returns float32."""
-    check_gpu("mma_probe")
+    """``a @ b`` for two 16x16 fp16 matrices by one warp's two ``mma``: on a GPU the
+    smallest check that the C++ links, the fragments are where the layout above
+    says, and the products are right (to fp32 rounding); under the simulator, the
+    same kernel on :func:`emulated_warp_mma`. Returns float32."""
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != (16, 16) or b.shape != (16, 16) or a.dtype != np.float16 or b.dtype != np.float16:
         raise ValueError(f"a and b must be float16 (16, 16) arrays, got {a.dtype} {a.shape} and "

@@ -2,8 +2,11 @@
 
 The top rung of the implicit GEMM, :func:`numba_sc.dataflows.implicit_gemm.implicit_gemm_v4`,
 hands each warp's tile product to CUDA C++ (``mma.sync`` and ``ldmatrix``) that Numba's
-simulator cannot run. This module says in NumPy what each of those instructions does,
-so that a reader without a GPU can run the rung's arithmetic and check it (notebook 12):
+simulator cannot run (there, a Python stand-in computes each lane's results straight from
+the shared tiles, :func:`numba_sc.dataflows.tensor_cores.emulated_warp_mma`, which says
+nothing of how the C++ gets them). This module says in NumPy what each of those
+instructions does, so that a reader without a GPU can run the rung's arithmetic and check
+it (notebook 12):
 
 * the **fragment layouts** of ``mma.m16n8k16`` (PTX ISA, "Matrix fragments for
   mma.m16n8k16"): which of the warp's 32 lanes holds which elements of ``A`` (16 x 16),
