@@ -62,6 +62,11 @@ The ladder, one idea a rung (``python -m numba_sc ladder implicit_gemm``, record
           share, :func:`numba_sc.dataflows.tensor_cores.emulated_warp_mma`); fp16
           only, the library's in fp16 from ``TENSOR_CORE_MIN_CHANNELS`` channels
           (``implicit_v4_channels.json``)
+    v5  + the shared tiles double-buffered (one barrier a step), the next step's
+          loads in flight across offsets too, blocks up to 128 channels wide;
+          fp16 only. Checked (the simulator runs it on the mma's stand-in), not
+          yet timed on a GPU, so not the library's: ``benchmarks/probes/sweep_implicit_v4.py
+          --rungs v4,v5`` times it
 
 The tile choices and argument checks are in :mod:`numba_sc.dataflows.implicit_shapes`;
 the device plan and the library's launcher in :mod:`numba_sc.dataflows.implicit_driver`.
@@ -82,7 +87,7 @@ from ..core.rungs import Ladder, Rung, layer_bytes_moved, layer_flops
 from ..core.state import cached
 from .implicit_shapes import (GPU_V2_TILE, SIM_V2_TILE, WORDS, TensorTiles, Tiles, cdiv, check_inputs,
                               check_plan_args, check_rows, check_skip, implicit_tiles, run_splits, tensor_tiles,
-                              v4_shape)
+                              v4_shape, v5_shape, v5_tiles)
 from .tensor_cores import c_col, c_row, data_pointer, warp_mma
 
 
@@ -616,6 +621,168 @@ def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
     return implicit
 
 
+@cached
+def implicit_gemm_v5(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: int):
+    """v5: v4 with its shared tiles double-buffered and its loads running ahead across offsets.
+
+    v4 loads a chunk, stores it to shared memory, waits at a barrier, multiplies, and
+    waits at a second barrier before the next chunk may overwrite the tiles. Its next
+    chunk's loads run during the math only within one offset: the first chunk of each
+    offset is loaded after the previous offset's last barrier, its latency (a table
+    lookup, then a gathered row) in full view. At 32 or 64 input channels a chunk of
+    32 is one or two steps an offset, so most steps wait. v5 changes the loop, not the math:
+
+    * **one sequence of steps** ``(offset, chunk)`` over the offsets whose bit is set in
+      the tile's mask: during step ``s``'s math the loads of step ``s + 1`` are in
+      flight, whether it is the same offset's next chunk or the next live offset's
+      first (its neighbour rows looked up first: step ``s``'s rows are already in
+      shared memory, so the lookups may overwrite them);
+    * **two copies of each shared tile** (stages): step ``s`` fills copy ``s % 2``
+      while a slow warp may still be multiplying copy ``(s - 1) % 2``, so one barrier a
+      step suffices: after it, every warp has finished step ``s - 1``'s math, whose
+      copy step ``s + 1`` will refill;
+    * **wider blocks** (:func:`numba_sc.dataflows.implicit_shapes.v5_shape`): up to 128
+      output channels a block in warps of 32 x 32, so a gathered row feeds twice
+      v4's 64 columns where the layer is that wide.
+
+    Everything else (the plan's order, the tile masks, the word loads, ``mma.cu``, the
+    epilogue, one rounding to fp16) is v4's. Shared memory: two stages of
+    ``tile_m x (tile_k + 8)`` and ``tile_k x (tile_n + 8)`` fp16 values, at 64 x 128 x 32
+    ``2 x 2 x (64 x 40 + 32 x 136)`` bytes, under the 48 KB a kernel may declare
+    statically (``tests/dataflows/test_gpu_compile.py`` reads the sizes from the PTX).
+    """
+    warps_m, warps_n, mi, ni = v5_shape(tile_m, tile_n)
+    threads = 32 * warps_m * warps_n
+    wm, wn = 16 * mi, 8 * ni  # the warp tile
+    word_a, word_b = from_dtype(WORDS[a_vec]), from_dtype(WORDS[b_vec])
+    kw_a, kw_b = tile_k // a_vec, tile_n // b_vec  # words of a chunk's row, of a weight row
+    a_pitch, b_pitch = tile_k + 8, tile_n + 8  # fp16 values a shared row (+8: see v4)
+    a_pitch_w, b_pitch_w = a_pitch // a_vec, b_pitch // b_vec
+    a_stage, b_stage = tile_m * a_pitch_w, tile_k * b_pitch_w  # words of one copy of each tile
+    a_both, b_both = 2 * a_stage, 2 * b_stage  # (a shared array's size must be a constant, not an expression)
+    if tile_k % 16:
+        raise ValueError(f"v5 tile ({tile_m}, {tile_n}, {tile_k}): tile_k must be a multiple of 16 (the mma's k)")
+    n_acc = 4 * mi * ni  # a lane's results
+    a_size, b_size = tile_m * kw_a, tile_k * kw_b  # words of a chunk of each tile
+    a_loads, b_loads = -(-a_size // threads), -(-b_size // threads)
+    k_steps = tile_k // 16  # mma steps a chunk
+    mma = warp_mma(mi, ni)  # the C++ (under the simulator, its Python stand-in)
+    align = None if simulating() else 16  # (ldmatrix's rows; the simulator takes no alignment)
+
+    @cuda.jit(device=True, inline=True)
+    def next_live(tile_masks, tm, k, k1):
+        """The first offset from ``k`` on (below ``k1``) whose bit is set in tile ``tm``'s
+        mask; ``k1`` when there is none. Every thread of the block gets the same answer."""
+        while k < k1 and ((tile_masks[k // MASK_BITS, tm] >> (k % MASK_BITS)) & 1) == 0:
+            k += 1
+        return k
+
+    @cuda.jit(device=True, inline=True)
+    def look_up(table, outs, k, srcs):
+        """The neighbour rows, through offset ``k``, of the outputs whose words this thread loads."""
+        for r in range(a_loads):
+            o = outs[r]
+            srcs[r] = table[k, o] if o >= 0 else -1
+
+    @cuda.jit(device=True, inline=True)
+    def load_rows(fw, srcs, c0w, tid, a_reg):
+        """This thread's words of a chunk's row tile, word ``e = tid + threads * r``: row slot
+        ``e // kw_a``, word ``e % kw_a`` (zeros past the tile, the channels or the pairs)."""
+        c_in_w = fw.shape[1]
+        for r in range(a_loads):
+            e = tid + threads * r
+            w = e % kw_a
+            v = word_a(0)
+            if e < a_size and srcs[r] >= 0 and c0w + w < c_in_w:
+                v = fw[srcs[r], c0w + w]
+            a_reg[r] = v
+
+    @cuda.jit(device=True, inline=True)
+    def load_weights(ww, k, c0, n0w, tid, b_reg):
+        """This thread's words of the chunk's ``tile_k x tile_n`` piece of W[k]."""
+        c_in, c_out_w = ww.shape[1], ww.shape[2]
+        for r in range(b_loads):
+            e = tid + threads * r
+            kk = e // kw_b
+            w = e - kk * kw_b
+            v = word_b(0)
+            if e < b_size and c0 + kk < c_in and n0w + w < c_out_w:
+                v = ww[k, c0 + kk, n0w + w]
+            b_reg[r] = v
+
+    @cuda.jit
+    def implicit(fw, ww, table, order, tile_masks, k0, k1, base, has_base, out):
+        """The arguments as v4's."""
+        tid = cuda.threadIdx.x
+        n_out, c_out, c_in_w = out.shape[0], out.shape[1], fw.shape[1]
+        tiles_n = (c_out + tile_n - 1) // tile_n
+        tm = cuda.blockIdx.x // tiles_n
+        m0 = tm * tile_m
+        n0 = (cuda.blockIdx.x - tm * tiles_n) * tile_n
+        n0w = n0 // b_vec
+        a_s = cuda.shared.array(a_both, word_a, alignment=align)  # [stage][row slot][channel]
+        b_s = cuda.shared.array(b_both, word_b, alignment=align)  # [stage][channel][output channel]
+        acc = cuda.local.array(n_acc, float32)
+        a_reg = cuda.local.array(a_loads, word_a)
+        b_reg = cuda.local.array(b_loads, word_b)
+        outs = cuda.local.array(a_loads, int32)
+        srcs = cuda.local.array(a_loads, int32)
+        warp, lane = tid // 32, tid % 32
+        row0 = (warp // warps_n) * wm
+        col0 = (warp % warps_n) * wn
+        for q in range(n_acc):
+            acc[q] = float32(0.0)
+        for r in range(a_loads):
+            slot = m0 + (tid + threads * r) // kw_a
+            outs[r] = order[slot] if slot < n_out and tid + threads * r < a_size else -1
+        k = next_live(tile_masks, tm, k0, k1)  # the first step: (k, chunk 0)
+        c0w = 0
+        if k < k1:
+            look_up(table, outs, k, srcs)
+            load_rows(fw, srcs, 0, tid, a_reg)
+            load_weights(ww, k, 0, n0w, tid, b_reg)
+        stage = 0
+        while k < k1:
+            for r in range(a_loads):  # this step's words into this stage's copies
+                e = tid + threads * r
+                if e < a_size:
+                    m = e // kw_a
+                    a_s[stage * a_stage + m * a_pitch_w + (e - m * kw_a)] = a_reg[r]
+            for r in range(b_loads):
+                e = tid + threads * r
+                if e < b_size:
+                    kk = e // kw_b
+                    b_s[stage * b_stage + kk * b_pitch_w + (e - kk * kw_b)] = b_reg[r]
+            cuda.syncthreads()  # the copies are full, and every warp is past the last step's math
+            nk = k  # the next step: this offset's next chunk, or the next live offset's first
+            nc = c0w + kw_a
+            if nc >= c_in_w:
+                nk = next_live(tile_masks, tm, k + 1, k1)
+                nc = 0
+                if nk < k1:
+                    look_up(table, outs, nk, srcs)
+            if nk < k1:  # its loads, in flight during this step's math
+                load_rows(fw, srcs, nc, tid, a_reg)
+                load_weights(ww, nk, nc * a_vec, n0w, tid, b_reg)
+            mma(data_pointer(acc), data_pointer(a_s[stage * a_stage:]), data_pointer(b_s[stage * b_stage:]),
+                int32(a_pitch), int32(b_pitch), int32(row0), int32(col0), int32(k_steps))
+            k = nk
+            c0w = nc
+            stage = 1 - stage
+        for i in range(mi):
+            for j in range(ni):
+                for r in range(4):
+                    slot = m0 + row0 + i * 16 + c_row(lane, r)
+                    n = n0 + col0 + j * 8 + c_col(lane, r)
+                    if slot < n_out and n < c_out:
+                        o = order[slot]
+                        v = acc[(i * ni + j) * 4 + r]
+                        if has_base:
+                            v += float32(base[o, n])
+                        out[o, n] = v  # rounded once, to the output's dtype
+
+    return implicit
+
 
 
 # ------------------------------------------------------------ running each rung
@@ -672,6 +839,19 @@ def run_v4(f, w, t, plan, init, tiles: TensorTiles | None = None):
                        32 * warps_m * warps_n, blocks)
 
 
+def run_v5(f, w, t, plan, init, tiles: TensorTiles | None = None):
+    """v5 on device arrays (checked by the caller): fp16 only."""
+    if f.dtype != np.float16:
+        raise TypeError(f"implicit_gemm v5 multiplies fp16 on tensor cores; features are {f.dtype}: "
+                        "pass float16 features and weights, or run v3 (implicit_gemm_cuda picks it for fp32)")
+    c_in, c_out = int(f.shape[1]), int(w.shape[2])
+    tiles = tiles or v5_tiles(c_in, c_out)
+    warps_m, warps_n, _, _ = v5_shape(plan.tile_m, tiles.tile_n)
+    blocks = plan.n_tiles * cdiv(c_out, tiles.tile_n)
+    return run_splits(implicit_gemm_v5(plan.tile_m, *tiles), f.view(WORDS[tiles.a_vec]), w.view(WORDS[tiles.b_vec]),
+                      t, plan, init, c_out, f.dtype, 32 * warps_m * warps_n, blocks)
+
+
 def _ladder_work(ctx):
     layer = ctx.layer()
     plan = ctx.memo("implicit_plan", lambda: implicit_plan_reference(layer["km"].table, skip=layer["centre"]).device())
@@ -679,7 +859,8 @@ def _ladder_work(ctx):
 
 
 RUNS = {"v1": run_v1, "v2": run_v2, "v3": run_v3,
-        "v4": lambda f, w, t, plan, init: (run_v4 if f.dtype == np.float16 else run_v3)(f, w, t, plan, init)}
+        "v4": lambda f, w, t, plan, init: (run_v4 if f.dtype == np.float16 else run_v3)(f, w, t, plan, init),
+        "v5": lambda f, w, t, plan, init: (run_v5 if f.dtype == np.float16 else run_v3)(f, w, t, plan, init)}
 
 
 def _rung(name, adds):
@@ -694,7 +875,9 @@ LADDER = Ladder(
      _rung("v3", "+ outputs sorted by offset mask, tiles skip absent offsets, a register tile (the library's "
                  "in fp32)"),
      _rung("v4", "+ the tile's multiply-accumulate on tensor cores (mma in linked CUDA C++, a Python stand-in "
-                 "under the simulator; fp16 only, fp32 runs v3; the library's in fp16)")),
+                 "under the simulator; fp16 only, fp32 runs v3; the library's in fp16)"),
+     _rung("v5", "+ double-buffered shared tiles, the next step's loads in flight across offsets, blocks up to "
+                 "128 channels wide (fp16 only, fp32 runs v3)")),
     workload=_ladder_work,
     reference=lambda w: implicit_gemm_reference(to_host(w["features"]), to_host(w["weight"]),
                                                 to_host(w["km"].table), to_host(w["init"]), w["centre"]),

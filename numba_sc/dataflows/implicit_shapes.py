@@ -108,6 +108,19 @@ def v4_shape(tile_m: int, tile_n: int) -> tuple:
     return warps_m, warps_n, tile_m // warps_m // 16, tile_n // warps_n // 8
 
 
+def v5_tiles(c_in: int, c_out: int) -> TensorTiles:
+    """v5's tile shape: v4's, with blocks up to 128 output channels wide."""
+    return TensorTiles(min(128, max(16, pow2_at_least(c_out))), 16 if c_in <= 16 else 32, vec(c_in), vec(c_out))
+
+
+def v5_shape(tile_m: int, tile_n: int) -> tuple:
+    """``(warps_m, warps_n, mi, ni)``: v5's block of ``tile_m x tile_n`` outputs as warps
+    of 32 x 32 (``mi = 2``, ``ni = 4``), or of the block's own height or width where it is
+    smaller (16 rows, 16 columns). ``64 x 128``: 2 x 4 warps; ``64 x 64``: 2 x 2."""
+    mi, ni = min(2, tile_m // 16), min(4, tile_n // 8)
+    return tile_m // (16 * mi), tile_n // (8 * ni), mi, ni
+
+
 
 # ------------------------------------------------------------------ checks
 def check_inputs(features, weight, table, init=None, backend="cuda"):

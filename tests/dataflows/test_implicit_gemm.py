@@ -312,8 +312,8 @@ def test_ladder_runs_v4_everywhere_and_the_library_picks_it_for_fp16(rng, capsys
     """v4 is declared and runs here (GPU or simulator); the library picks it for fp16
     from TENSOR_CORE_MIN_CHANNELS channels, v3 for fp32; the ladder table has a v4 row
     that agrees with the reference, as v3's does."""
-    assert [r.name for r in ig.LADDER.declared] == ["v1", "v2", "v3", "v4"]
-    assert ig.LADDER.names == ("v1", "v2", "v3", "v4") and not any(r.gpu_only for r in ig.LADDER.declared)
+    assert [r.name for r in ig.LADDER.declared] == ["v1", "v2", "v3", "v4", "v5"]
+    assert ig.LADDER.names == ("v1", "v2", "v3", "v4", "v5") and not any(r.gpu_only for r in ig.LADDER.declared)
     ladder.list_ladders()
     listed = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  v4  + the tile's multiply")]
     assert len(listed) == 1 and not listed[0].endswith("[GPU only]")
@@ -347,8 +347,8 @@ def test_v4_tile_shapes(tile_m, c_in, c_out):
 V4_CASES = [  # (n, extent, kernel, c_in, c_out, splits, centre skipped with init, tile_m)
     (310, 10, 3, 16, 16, 1, True, 64),
     (257, 9, 3, 24, 40, 2, True, 64),  # loads of 4 values; C_out in two 32-wide column tiles
-    (400, 11, 3, 96, 24, 1, False, 32),
-    (333, 10, 3, 40, 96, 3, True, 128),  # 96 outputs: a 64-wide and a part-filled column tile
+    (250, 11, 3, 96, 24, 1, False, 32),
+    (200, 10, 3, 40, 96, 3, True, 128),  # 96 outputs: a 64-wide and a part-filled column tile
     (150, 8, 3, 3, 5, 1, True, 16),  # the first layer's channels: loads of one value
     (200, 9, 2, 6, 18, 2, False, 64),  # strided 2x2x2 map, loads of two values
 ]
@@ -391,3 +391,60 @@ def test_the_library_runs_v4_for_wide_fp16_layers(rng):
     with pytest.raises(TypeError, match="v4 multiplies fp16"):
         idr.implicit_gemm_cuda(f.astype(np.float32), w.astype(np.float32), table, plan, tiles=ish.tensor_tiles(c, c))
 
+
+# ------------------------------------------------------- v5: double-buffered, running ahead
+@pytest.mark.parametrize("tile_m", ish.TILE_M_CHOICES)
+@pytest.mark.parametrize("c_in,c_out", [(3, 5), (16, 16), (24, 40), (40, 96), (96, 24), (64, 64), (128, 128),
+                                        (256, 256)])
+def test_v5_tile_shapes(tile_m, c_in, c_out):
+    """Every plan tile and channel count gets warps whose tiles mma.cu defines, covering
+    the block exactly, at most 512 threads, loads that divide the channels, and two
+    stages of both shared tiles within the 48 KB a block may declare statically."""
+    tiles = ish.v5_tiles(c_in, c_out)
+    warps_m, warps_n, mi, ni = ish.v5_shape(tile_m, tiles.tile_n)
+    assert (mi, ni) in tc.MMA_SHAPES and warps_m * warps_n <= 16
+    assert (warps_m * 16 * mi, warps_n * 8 * ni) == (tile_m, tiles.tile_n)
+    assert tiles.tile_n >= min(c_out, 128) and tiles.tile_k in (16, 32)
+    assert c_in % tiles.a_vec == 0 and c_out % tiles.b_vec == 0
+    shared = 2 * 2 * (tile_m * (tiles.tile_k + 8) + tiles.tile_k * (tiles.tile_n + 8))
+    assert shared <= 48 * 1024
+
+
+V5_CASES = [  # as V4_CASES; the widest block (128 channels) on tiles of 32 rows (the simulator's threads)
+    (310, 10, 3, 16, 16, 1, True, 64),
+    (257, 9, 3, 24, 40, 2, True, 64),  # loads of 4 values; 40 outputs in one 64-wide block
+    (400, 11, 3, 96, 24, 1, False, 32),  # three chunks an offset
+    (200, 10, 3, 40, 96, 3, True, 32),  # a 128-wide block, part-filled; three mask splits
+    (260, 10, 3, 16, 8, 2, True, 128),  # 128-row tiles, one chunk an offset: every step a new offset
+    (150, 8, 3, 3, 5, 1, True, 16),  # loads of one value; more threads than words of a chunk
+    (200, 9, 2, 6, 18, 2, False, 64),  # strided 2x2x2 map, loads of two values
+]
+
+
+@pytest.mark.parametrize("case", V5_CASES)
+def test_v5_equals_the_reference(rng, case):
+    """v5 against implicit_gemm_reference, as v4 is (within one fp16 ulp plus float32
+    slack); its steps run across offsets, so cases with one and several chunks an offset,
+    and mask splits whose first offsets are dead for some tiles."""
+    n, extent, ks, c_in, c_out, splits, centre, tile_m = case
+    stride = 2 if ks == 2 else 1
+    table, f, w = layer(rng, n=n, extent=extent, kernel_size=ks, stride=stride, c_in=c_in, c_out=c_out,
+                        dtype=np.float16)
+    skip = CENTRE if centre else -1
+    init = centre_init(f, w, rng) if centre else None
+    assert table.shape[1] % tile_m, "the last tile must be part-filled"
+    plan = idr.implicit_plan(table, splits, skip, tile_m)
+    want = ig.implicit_gemm_reference(f, w, table, init, skip)
+    got = to_host(idr.implicit_gemm_rung("v5", f, w, table, plan, init))
+    assert got.dtype == np.float16 and got.shape == want.shape
+    ulp = np.spacing(np.abs(want).astype(np.float16)).astype(np.float32)
+    slack = 1e-5 * float(np.abs(want.astype(np.float32)).max())
+    assert (np.abs(got.astype(np.float32) - want.astype(np.float32)) <= ulp + slack).all()
+
+
+def test_v5_refuses_fp32_and_runs_v3_for_it_in_the_ladder(rng):
+    table, f, w = layer(rng, n=60, extent=5, c_in=8, c_out=8, dtype=np.float32)
+    plan = idr.implicit_plan(table)
+    with pytest.raises(TypeError, match="v5 multiplies fp16"):
+        ig.run_v5(f, w, table, plan, None)
+    assert_close(idr.implicit_gemm_rung("v5", f, w, table, plan), oracle(f, w, table), 1e-5)
