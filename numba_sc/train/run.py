@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from pathlib import Path
 
 import numpy as np
 
