@@ -479,6 +479,68 @@ def implicit_gemm_v3(tile_m: int, tile_n: int, tile_k: int, thread_m: int, threa
 
 
 
+def _word_loads(threads, kw_a, kw_b, a_size, b_size, word_a, word_b):
+    """The global loads of v4 and v5, as device functions ``(load_rows, load_weights)``:
+    the words a thread moves into registers for one chunk, ``a_size`` words of the row
+    tile (``kw_a`` a row slot) and ``b_size`` of the weight tile (``kw_b`` a row), word
+    ``e = tid + threads * r`` for its ``r``-th load (neighbouring threads, neighbouring
+    words). Words past the tile, the channels or the pairs are zeros (all bits zero:
+    fp16 +0.0)."""
+    a_loads, b_loads = -(-a_size // threads), -(-b_size // threads)
+    ragged = a_size % threads != 0  # (a constant: where the threads split the row tile evenly, no test)
+
+    @cuda.jit(device=True, inline=True)
+    def load_rows(fw, srcs, c0w, tid, a_reg):
+        """This thread's words of the chunk's row tile: word ``e`` is row slot ``e // kw_a``,
+        word ``e % kw_a``; ``srcs[r]`` is that slot's neighbour row (-1: none)."""
+        c_in_w = fw.shape[1]
+        for r in range(a_loads):
+            e = tid + threads * r
+            w = e % kw_a
+            v = word_a(0)
+            if (not ragged or e < a_size) and srcs[r] >= 0 and c0w + w < c_in_w:
+                v = fw[srcs[r], c0w + w]
+            a_reg[r] = v
+
+    @cuda.jit(device=True, inline=True)
+    def load_weights(ww, k, c0, n0w, tid, b_reg):
+        """This thread's words of the chunk's ``tile_k x tile_n`` piece of W[k]."""
+        c_in, c_out_w = ww.shape[1], ww.shape[2]
+        for r in range(b_loads):
+            e = tid + threads * r
+            kk = e // kw_b
+            w = e - kk * kw_b
+            v = word_b(0)
+            if e < b_size and c0 + kk < c_in and n0w + w < c_out_w:
+                v = ww[k, c0 + kk, n0w + w]
+            b_reg[r] = v
+
+    return load_rows, load_weights
+
+
+def _store_warp_tile(mi: int, ni: int):
+    """The epilogue of v4 and v5, a device function: each lane's results of its warp's
+    ``mi x ni`` mma tiles (placed by ``c_row``/``c_col``) into the outputs the plan's
+    order names, plus ``base`` when ``has_base``, rounded once to the output's dtype."""
+
+    @cuda.jit(device=True, inline=True)
+    def store(acc, order, base, has_base, out, m0, n0, row0, col0, lane):
+        n_out, c_out = out.shape[0], out.shape[1]
+        for i in range(mi):
+            for j in range(ni):
+                for r in range(4):
+                    slot = m0 + row0 + i * 16 + c_row(lane, r)
+                    n = n0 + col0 + j * 8 + c_col(lane, r)
+                    if slot < n_out and n < c_out:
+                        o = order[slot]
+                        v = acc[(i * ni + j) * 4 + r]
+                        if has_base:
+                            v += float32(base[o, n])
+                        out[o, n] = v  # rounded once, to the output's dtype
+
+    return store
+
+
 @cached
 def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: int):
     """v4: v3's kernel with the tile's multiply-accumulate on the tensor cores (fp16).
@@ -523,37 +585,14 @@ def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
     if tile_k % 16 or (tile_m * kw_a) % threads:
         raise ValueError(f"v4 tile ({tile_m}, {tile_n}, {tile_k}) with loads of {a_vec} values is not supported: "
                          f"tile_k must be a multiple of 16 and the {threads} threads must split the row tile evenly")
-    a_loads = tile_m * kw_a // threads  # words of the row tile each thread loads per chunk
-    b_size = tile_k * kw_b
+    a_size, b_size = tile_m * kw_a, tile_k * kw_b  # words of a chunk of each tile
+    a_loads = a_size // threads  # words of the row tile each thread loads per chunk
     b_loads = -(-b_size // threads)
     k_steps = tile_k // 16  # mma steps a chunk
     mma = warp_mma(mi, ni)  # the C++ (under the simulator, its Python stand-in)
+    load_rows, load_weights = _word_loads(threads, kw_a, kw_b, a_size, b_size, word_a, word_b)
+    store = _store_warp_tile(mi, ni)
     align = None if simulating() else 16  # (ldmatrix's rows; the simulator takes no alignment)
-
-    @cuda.jit(device=True, inline=True)
-    def load_rows(fw, srcs, c0w, tid, a_reg):
-        """This thread's words of the chunk's row tile: word ``e = tid + threads * r`` is
-        row slot ``e // kw_a``, word ``e % kw_a`` (neighbouring threads, neighbouring words)."""
-        c_in_w = fw.shape[1]
-        for r in range(a_loads):
-            w = (tid + threads * r) % kw_a
-            v = word_a(0)  # (all bits zero: fp16 +0.0)
-            if srcs[r] >= 0 and c0w + w < c_in_w:
-                v = fw[srcs[r], c0w + w]
-            a_reg[r] = v
-
-    @cuda.jit(device=True, inline=True)
-    def load_weights(ww, k, c0, n0w, tid, b_reg):
-        """This thread's words of the chunk's ``tile_k x tile_n`` piece of W[k]."""
-        c_in, c_out_w = ww.shape[1], ww.shape[2]
-        for r in range(b_loads):
-            e = tid + threads * r
-            kk = e // kw_b
-            w = e - kk * kw_b
-            v = word_b(0)
-            if e < b_size and c0 + kk < c_in and n0w + w < c_out_w:
-                v = ww[k, c0 + kk, n0w + w]
-            b_reg[r] = v
 
     @cuda.jit
     def implicit(fw, ww, table, order, tile_masks, k0, k1, base, has_base, out):
@@ -606,17 +645,7 @@ def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
                 mma(data_pointer(acc), data_pointer(a_s), data_pointer(b_s), int32(a_pitch), int32(b_pitch),
                     int32(row0), int32(col0), int32(k_steps))
                 cuda.syncthreads()
-        for i in range(mi):
-            for j in range(ni):
-                for r in range(4):
-                    slot = m0 + row0 + i * 16 + c_row(lane, r)
-                    n = n0 + col0 + j * 8 + c_col(lane, r)
-                    if slot < n_out and n < c_out:
-                        o = order[slot]
-                        v = acc[(i * ni + j) * 4 + r]
-                        if has_base:
-                            v += float32(base[o, n])
-                        out[o, n] = v  # rounded once, to the output's dtype
+        store(acc, order, base, has_base, out, m0, n0, row0, col0, lane)
 
     return implicit
 
@@ -667,6 +696,8 @@ def implicit_gemm_v5(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
     a_loads, b_loads = -(-a_size // threads), -(-b_size // threads)
     k_steps = tile_k // 16  # mma steps a chunk
     mma = warp_mma(mi, ni)  # the C++ (under the simulator, its Python stand-in)
+    load_rows, load_weights = _word_loads(threads, kw_a, kw_b, a_size, b_size, word_a, word_b)
+    store = _store_warp_tile(mi, ni)
     align = None if simulating() else 16  # (ldmatrix's rows; the simulator takes no alignment)
 
     @cuda.jit(device=True, inline=True)
@@ -683,32 +714,6 @@ def implicit_gemm_v5(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
         for r in range(a_loads):
             o = outs[r]
             srcs[r] = table[k, o] if o >= 0 else -1
-
-    @cuda.jit(device=True, inline=True)
-    def load_rows(fw, srcs, c0w, tid, a_reg):
-        """This thread's words of a chunk's row tile, word ``e = tid + threads * r``: row slot
-        ``e // kw_a``, word ``e % kw_a`` (zeros past the tile, the channels or the pairs)."""
-        c_in_w = fw.shape[1]
-        for r in range(a_loads):
-            e = tid + threads * r
-            w = e % kw_a
-            v = word_a(0)
-            if e < a_size and srcs[r] >= 0 and c0w + w < c_in_w:
-                v = fw[srcs[r], c0w + w]
-            a_reg[r] = v
-
-    @cuda.jit(device=True, inline=True)
-    def load_weights(ww, k, c0, n0w, tid, b_reg):
-        """This thread's words of the chunk's ``tile_k x tile_n`` piece of W[k]."""
-        c_in, c_out_w = ww.shape[1], ww.shape[2]
-        for r in range(b_loads):
-            e = tid + threads * r
-            kk = e // kw_b
-            w = e - kk * kw_b
-            v = word_b(0)
-            if e < b_size and c0 + kk < c_in and n0w + w < c_out_w:
-                v = ww[k, c0 + kk, n0w + w]
-            b_reg[r] = v
 
     @cuda.jit
     def implicit(fw, ww, table, order, tile_masks, k0, k1, base, has_base, out):
@@ -769,17 +774,7 @@ def implicit_gemm_v5(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
             k = nk
             c0w = nc
             stage = 1 - stage
-        for i in range(mi):
-            for j in range(ni):
-                for r in range(4):
-                    slot = m0 + row0 + i * 16 + c_row(lane, r)
-                    n = n0 + col0 + j * 8 + c_col(lane, r)
-                    if slot < n_out and n < c_out:
-                        o = order[slot]
-                        v = acc[(i * ni + j) * 4 + r]
-                        if has_base:
-                            v += float32(base[o, n])
-                        out[o, n] = v  # rounded once, to the output's dtype
+        store(acc, order, base, has_base, out, m0, n0, row0, col0, lane)
 
     return implicit
 
