@@ -354,12 +354,9 @@ V4_CASES = [  # (n, extent, kernel, c_in, c_out, splits, centre skipped with ini
 ]
 
 
-@pytest.mark.parametrize("case", V4_CASES)
-def test_v4_equals_the_reference(rng, case):
-    """v4 against implicit_gemm_reference: rows that do not fill the last tile,
-    channels that fill no tile, the centre skipped with an init, mask splits. Sums
-    are float32 rounded once, so within one fp16 ulp of the reference (plus the
-    float32 slack of another summation order)."""
+def tensor_core_case(rng, case):
+    """A fp16 layer of V4_CASES / V5_CASES: (features, weights, table, init, skip, plan,
+    the reference's output)."""
     n, extent, ks, c_in, c_out, splits, centre, tile_m = case
     stride = 2 if ks == 2 else 1
     table, f, w = layer(rng, n=n, extent=extent, kernel_size=ks, stride=stride, c_in=c_in, c_out=c_out,
@@ -369,11 +366,27 @@ def test_v4_equals_the_reference(rng, case):
     assert table.shape[1] % tile_m, "the last tile must be part-filled"
     plan = idr.implicit_plan(table, splits, skip, tile_m)
     want = ig.implicit_gemm_reference(f, w, table, init, skip)
-    got = to_host(idr.implicit_gemm_cuda(f, w, table, plan, init, tiles=ish.tensor_tiles(c_in, c_out)))
+    return f, w, table, init, skip, plan, want
+
+
+def assert_within_an_ulp(got, want):
+    """fp16 ``got`` within one fp16 ulp of ``want`` plus the float32 slack of another
+    summation order (the tensor-core rungs sum in float32 and round once)."""
     assert got.dtype == np.float16 and got.shape == want.shape
     ulp = np.spacing(np.abs(want).astype(np.float16)).astype(np.float32)
     slack = 1e-5 * float(np.abs(want.astype(np.float32)).max())
     assert (np.abs(got.astype(np.float32) - want.astype(np.float32)) <= ulp + slack).all()
+
+
+@pytest.mark.parametrize("case", V4_CASES)
+def test_v4_equals_the_reference(rng, case):
+    """v4 against implicit_gemm_reference: rows that do not fill the last tile,
+    channels that fill no tile, the centre skipped with an init, mask splits. Sums
+    are float32 rounded once, so within one fp16 ulp of the reference (plus the
+    float32 slack of another summation order)."""
+    f, w, table, init, skip, plan, want = tensor_core_case(rng, case)
+    got = to_host(idr.implicit_gemm_cuda(f, w, table, plan, init, tiles=ish.tensor_tiles(f.shape[1], w.shape[2])))
+    assert_within_an_ulp(got, want)
     assert_close(idr.implicit_gemm_rung("v4", f, w, table, plan, init), oracle(f, w, table, init, skip), RTOL16)
 
 
@@ -426,20 +439,9 @@ def test_v5_equals_the_reference(rng, case):
     """v5 against implicit_gemm_reference, as v4 is (within one fp16 ulp plus float32
     slack); its steps run across offsets, so cases with one and several chunks an offset,
     and mask splits whose first offsets are dead for some tiles."""
-    n, extent, ks, c_in, c_out, splits, centre, tile_m = case
-    stride = 2 if ks == 2 else 1
-    table, f, w = layer(rng, n=n, extent=extent, kernel_size=ks, stride=stride, c_in=c_in, c_out=c_out,
-                        dtype=np.float16)
-    skip = CENTRE if centre else -1
-    init = centre_init(f, w, rng) if centre else None
-    assert table.shape[1] % tile_m, "the last tile must be part-filled"
-    plan = idr.implicit_plan(table, splits, skip, tile_m)
-    want = ig.implicit_gemm_reference(f, w, table, init, skip)
+    f, w, table, init, skip, plan, want = tensor_core_case(rng, case)
     got = to_host(idr.implicit_gemm_rung("v5", f, w, table, plan, init))
-    assert got.dtype == np.float16 and got.shape == want.shape
-    ulp = np.spacing(np.abs(want).astype(np.float16)).astype(np.float32)
-    slack = 1e-5 * float(np.abs(want.astype(np.float32)).max())
-    assert (np.abs(got.astype(np.float32) - want.astype(np.float32)) <= ulp + slack).all()
+    assert_within_an_ulp(got, want)
 
 
 def test_v5_refuses_fp32_and_runs_v3_for_it_in_the_ladder(rng):
