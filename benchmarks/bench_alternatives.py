@@ -32,7 +32,8 @@ import traceback
 
 import numpy as np
 
-from common import CROPS, HOST_THEN_GPU, find_data, interleaved, random_coords, recorded, scan_coords, write_json
+from common import (CROPS, HOST_THEN_GPU, dense_coords, find_data, interleaved, random_coords, recorded, scan_coords,
+                    write_json)
 
 ROWS = "4-16,32-32,64-64,128-128,256-256"
 
@@ -140,10 +141,7 @@ def main():
 
     makers = {n: (lambda n=n: scan_coords(find_data(args.data), n)) for n in ("kitti", "scannet", "sunrgbd", *CROPS)}
     makers["random1M"] = random_coords
-    # The dense level of a network on 1M random voxels: after two stride-2 layers that
-    # cloud has ~635k voxels and ~17 pairs per voxel in a 3x3x3 layer (README, session 8),
-    # the layers where gather-GEMM-scatter lost to spconv's implicit GEMM.
-    makers["dense"] = lambda: np.unique(random_coords() // 4, axis=0)
+    makers["dense"] = dense_coords
     out = {"recorded": recorded(args.note), "clouds": {}}
     t0 = time.time()
     for cname in args.clouds.split(","):

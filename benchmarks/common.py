@@ -125,6 +125,14 @@ def random_coords(n=1_000_000, box=400, seed=0):
     return np.stack([ids // (box * box), (ids // box) % box, ids % box], 1).astype(np.int32)
 
 
+def dense_coords():
+    """The dense level of a network on :func:`random_coords`: after two stride-2 layers
+    that cloud has ~635k voxels and ~17 pairs per voxel in a 3x3x3 layer (README,
+    session 8), the layers where gather-GEMM-scatter lost to spconv's implicit GEMM.
+    Sorted unique int32 (N, 3)."""
+    return np.unique(random_coords() // 4, axis=0)
+
+
 # ------------------------------------------------------------------- timing
 def sync():
     """Wait for all work on the device, on every stream."""

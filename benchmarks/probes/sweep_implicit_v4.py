@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: common.py
 
-from common import find_data, random_coords, recorded, scan_coords, write_json  # noqa: E402
+from common import dense_coords, find_data, recorded, scan_coords, write_json  # noqa: E402
 
 
 def main():
@@ -43,8 +43,6 @@ def main():
     from numba_sc.dataflows import implicit_gemm as ig
     from numba_sc.tools.ladder import agreement, time_rungs
 
-    import numpy as np
-
     names = tuple(args.rungs.split(","))
     unknown = set(names) - set(ig.LADDER.names)
     if unknown or len(names) < 2:
@@ -52,7 +50,7 @@ def main():
     if args.cloud == "kitti":
         coords = scan_coords(find_data(args.data), "kitti")
     else:  # a network's level after two stride-2 layers (bench_alternatives.py's "dense")
-        coords = np.unique(random_coords() // 4, axis=0).astype(np.int32)
+        coords = dense_coords()
     base = Context(coords, 64)
     some = dataclasses.replace(ig.LADDER, rungs=tuple(r for r in ig.LADDER.rungs if r.name in names))
     rows = []
