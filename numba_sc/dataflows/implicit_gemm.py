@@ -518,7 +518,7 @@ def _word_loads(threads, kw_a, kw_b, a_size, b_size, word_a, word_b):
     return load_rows, load_weights
 
 
-def _store_warp_tile(mi: int, ni: int):
+def store_warp_tile(mi: int, ni: int):
     """The epilogue of v4 and v5, a device function: each lane's results of its warp's
     ``mi x ni`` mma tiles (placed by ``c_row``/``c_col``) into the outputs the plan's
     order names, plus ``base`` when ``has_base``, rounded once to the output's dtype."""
@@ -591,7 +591,7 @@ def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
     k_steps = tile_k // 16  # mma steps a chunk
     mma = warp_mma(mi, ni)  # the C++ (under the simulator, its Python stand-in)
     load_rows, load_weights = _word_loads(threads, kw_a, kw_b, a_size, b_size, word_a, word_b)
-    store = _store_warp_tile(mi, ni)
+    store = store_warp_tile(mi, ni)
     align = None if simulating() else 16  # (ldmatrix's rows; the simulator takes no alignment)
 
     @cuda.jit
@@ -697,7 +697,7 @@ def implicit_gemm_v5(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
     k_steps = tile_k // 16  # mma steps a chunk
     mma = warp_mma(mi, ni)  # the C++ (under the simulator, its Python stand-in)
     load_rows, load_weights = _word_loads(threads, kw_a, kw_b, a_size, b_size, word_a, word_b)
-    store = _store_warp_tile(mi, ni)
+    store = store_warp_tile(mi, ni)
     align = None if simulating() else 16  # (ldmatrix's rows; the simulator takes no alignment)
 
     @cuda.jit(device=True, inline=True)
