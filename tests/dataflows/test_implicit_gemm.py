@@ -387,7 +387,9 @@ def test_v4_equals_the_reference(rng, case):
     f, w, table, init, skip, plan, want = tensor_core_case(rng, case)
     got = to_host(idr.implicit_gemm_cuda(f, w, table, plan, init, tiles=ish.tensor_tiles(f.shape[1], w.shape[2])))
     assert_within_an_ulp(got, want)
-    assert_close(idr.implicit_gemm_rung("v4", f, w, table, plan, init), oracle(f, w, table, init, skip), RTOL16)
+    assert_close(got, oracle(f, w, table, init, skip), RTOL16)
+    if case is V4_CASES[0]:  # the ladder's entry point runs the same kernel (once: v4 is slow on the CPU)
+        np.testing.assert_array_equal(to_host(idr.implicit_gemm_rung("v4", f, w, table, plan, init)), got)
 
 
 def test_the_library_runs_v4_for_wide_fp16_layers(rng):

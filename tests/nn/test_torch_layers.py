@@ -117,14 +117,14 @@ def test_networks_load_numba_sc_state_dicts_and_compute_the_same(net):
     assert out.stride == y.stride
     want = to_host(y.features)
     np.testing.assert_allclose(out.features.cpu(), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
-    # a wrong weight is seen: the check above is not vacuous
     state = ours.state_dict()
     key = next(k for k in state if k.endswith("weight") and state[k].ndim == 3)
     state[key] = state[key] * 1.5
     twin.load_state_dict(state)
-    with torch.no_grad():
-        bad = twin(tl.TorchSparseTensor.from_coords(coords, f)).features.cpu().numpy()
-    assert not np.allclose(bad, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    if net == "resnet21":  # a wrong weight is seen: the check above is not vacuous (shown on
+        with torch.no_grad():  # the smaller network: each pass takes a minute under the simulator)
+            bad = twin(tl.TorchSparseTensor.from_coords(coords, f)).features.cpu().numpy()
+        assert not np.allclose(bad, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
     # and back: the torch twin's weights load into numba-sc's network
     back = (models.MinkUNet42(4, 5, width=0.125, seed=9) if net == "unet42"
             else models.SparseResNet21(4, width=0.25, seed=9))
