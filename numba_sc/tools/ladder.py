@@ -381,7 +381,7 @@ def run_ladder(stages, coords, channels=64, dtypes=("float32", "float16"), round
             ladder = found[stage]
             work = ladder.workload(context)
             times = time_rungs(ladder, work, rounds) if timed else {}
-            prev = None
+            prev, first = None, next(iter(ladder.adds))  # (first: v1, or a shorter ladder's first rung)
             for rung, adds in ladder.adds.items():
                 err = agreement(ladder, rung, work)
                 ok = agrees(ladder, dtype, err)
@@ -389,7 +389,7 @@ def run_ladder(stages, coords, channels=64, dtypes=("float32", "float16"), round
                 line = f"{stage:{width}s} {dtype:8s} {rung:5s} {err:9.2e} {'yes' if ok else 'NO':>3s}"
                 if timed:
                     t = times[rung]
-                    row.update(gpu_us=t, step=(times[prev] / t) if prev else 1.0, vs_v1=times["v1"] / t)
+                    row.update(gpu_us=t, step=(times[prev] / t) if prev else 1.0, vs_v1=times[first] / t)
                     line += f" {t:9.1f} {row['step']:5.2f}x {row['vs_v1']:5.2f}x"
                 print_(line + "  " + adds)
                 rows.append(row)
