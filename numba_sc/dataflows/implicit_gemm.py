@@ -64,9 +64,13 @@ The ladder, one idea a rung (``python -m numba_sc ladder implicit_gemm``, record
           (``implicit_v4_channels.json``)
     v5  + the shared tiles double-buffered (one barrier a step), the next step's
           loads in flight across offsets too, blocks up to 128 channels wide;
-          fp16 only. Checked (the simulator runs it on the mma's stand-in), not
-          yet timed on a GPU, so not the library's: ``benchmarks/probes/sweep_implicit_v4.py
-          --rungs v4,v5`` times it
+          fp16 only. Checked (the simulator runs it on the mma's stand-in) and
+          timed: slower than v4 on an H100 at every width timed, so not the
+          library's (``implicit_v5_kitti.json``, ``implicit_v5_dense.json``; the
+          README's ladder section quotes them). The second stage and the
+          run-ahead state cost registers, and v4 is already register-bound
+          (``ncu_implicit_v4_v5.json``): a rung that shows a textbook
+          optimization failing where occupancy, not latency, is the limit
 
 The tile choices and argument checks are in :mod:`numba_sc.dataflows.implicit_shapes`;
 the device plan and the library's launcher in :mod:`numba_sc.dataflows.implicit_driver`.
@@ -679,6 +683,10 @@ def implicit_gemm_v5(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
     ``tile_m x (tile_k + 8)`` and ``tile_k x (tile_n + 8)`` fp16 values, at 64 x 128 x 32
     ``2 x 2 x (64 x 40 + 32 x 136)`` bytes, under the 48 KB a kernel may declare
     statically (``tests/dataflows/test_gpu_compile.py`` reads the sizes from the PTX).
+
+    Measured, it loses to v4 (the module docstring says where): the extra stage and the
+    run-ahead bookkeeping raise the registers a thread, so fewer blocks fit an SM, and
+    the loop issues more instructions than v4's; the latency it hides was not the limit.
     """
     warps_m, warps_n, mi, ni = v5_shape(tile_m, tile_n)
     threads = 32 * warps_m * warps_n
@@ -872,7 +880,7 @@ LADDER = Ladder(
      _rung("v4", "+ the tile's multiply-accumulate on tensor cores (mma in linked CUDA C++, a Python stand-in "
                  "under the simulator; fp16 only, fp32 runs v3; the library's in fp16)"),
      _rung("v5", "+ double-buffered shared tiles, the next step's loads in flight across offsets, blocks up to "
-                 "128 channels wide (fp16 only, fp32 runs v3)")),
+                 "128 channels wide (fp16 only, fp32 runs v3; slower than v4: more registers, fewer blocks an SM)")),
     workload=_ladder_work,
     reference=lambda w: implicit_gemm_reference(to_host(w["features"]), to_host(w["weight"]),
                                                 to_host(w["km"].table), to_host(w["init"]), w["centre"]),
