@@ -92,7 +92,7 @@ from ..core.state import cached
 from .implicit_shapes import (GPU_V2_TILE, SIM_V2_TILE, WORDS, TensorTiles, Tiles, cdiv, check_inputs,
                               check_plan_args, check_rows, check_skip, implicit_tiles, run_splits, tensor_tiles,
                               v4_shape, v5_shape, v5_tiles)
-from .tensor_cores import c_col, c_row, data_pointer, warp_mma
+from .tensor_cores import c_col, c_row, data_pointer, kernel_options, warp_mma
 
 
 # ------------------------------------------------------------------ reference
@@ -546,7 +546,8 @@ def store_warp_tile(mi: int, ni: int):
 
 
 @cached
-def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: int):
+def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: int,
+                     max_registers: int | None = None):
     """v4: v3's kernel with the tile's multiply-accumulate on the tensor cores (fp16).
 
     Everything around the arithmetic is v3's: a block per (tile of ``tile_m`` row
@@ -576,6 +577,13 @@ def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
     Sums are float32, rounded once to fp16 at the store, as in v3 (only their
     order differs). fp16 only: fp32 data has no fp16 tensor-core path that keeps
     v3's rounding, so the library keeps fp32 on v3.
+
+    ``max_registers`` caps the registers a thread (the compiler spills what does
+    not fit; None, the library's: the compiler's choice). Registers decide how many
+    blocks an SM holds, and this kernel is register-bound: see
+    :func:`numba_sc.dataflows.tensor_cores.kernel_options` and
+    ``benchmarks/probes/kernel_resources.py``, which reads a rung's registers,
+    spills and shared memory without a GPU.
     """
     warps_m, warps_n, mi, ni = v4_shape(tile_m, tile_n)
     threads = 32 * warps_m * warps_n
@@ -598,7 +606,7 @@ def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
     store = store_warp_tile(mi, ni)
     align = None if simulating() else 16  # (ldmatrix's rows; the simulator takes no alignment)
 
-    @cuda.jit
+    @cuda.jit(**kernel_options(max_registers))
     def implicit(fw, ww, table, order, tile_masks, k0, k1, base, has_base, out):
         """``fw``: the features as words (n_in, C_in / a_vec); ``ww``: the weights as
         words (K, C_in, C_out / b_vec); the rest as in v3."""
@@ -655,7 +663,8 @@ def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
 
 
 @cached
-def implicit_gemm_v5(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: int):
+def implicit_gemm_v5(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: int,
+                     max_registers: int | None = None):
     """v5: v4 with its shared tiles double-buffered and its loads running ahead across offsets.
 
     v4 loads a chunk, stores it to shared memory, waits at a barrier, multiplies, and
@@ -723,7 +732,7 @@ def implicit_gemm_v5(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
             o = outs[r]
             srcs[r] = table[k, o] if o >= 0 else -1
 
-    @cuda.jit
+    @cuda.jit(**kernel_options(max_registers))
     def implicit(fw, ww, table, order, tile_masks, k0, k1, base, has_base, out):
         """The arguments as v4's."""
         tid = cuda.threadIdx.x
@@ -826,8 +835,8 @@ def run_v3(f, w, t, plan, init, tiles: Tiles | None = None):
                        blocks)
 
 
-def run_v4(f, w, t, plan, init, tiles: TensorTiles | None = None):
-    """v4 on device arrays (checked by the caller): fp16 only."""
+def run_v4(f, w, t, plan, init, tiles: TensorTiles | None = None, max_registers: int | None = None):
+    """v4 on device arrays (checked by the caller): fp16 only (``max_registers``: see v4)."""
     if f.dtype != np.float16:
         raise TypeError(f"implicit_gemm v4 multiplies fp16 on tensor cores; features are {f.dtype}: "
                         "pass float16 features and weights, or run v3 (implicit_gemm_cuda picks it for fp32)")
@@ -838,12 +847,12 @@ def run_v4(f, w, t, plan, init, tiles: TensorTiles | None = None):
     # the loads move whole words of a_vec (b_vec) fp16 values: the same memory, viewed
     fw = f.view(WORDS[tiles.a_vec])
     ww = w.view(WORDS[tiles.b_vec])
-    return run_splits(implicit_gemm_v4(plan.tile_m, *tiles), fw, ww, t, plan, init, c_out, f.dtype,
+    return run_splits(implicit_gemm_v4(plan.tile_m, *tiles, max_registers), fw, ww, t, plan, init, c_out, f.dtype,
                        32 * warps_m * warps_n, blocks)
 
 
-def run_v5(f, w, t, plan, init, tiles: TensorTiles | None = None):
-    """v5 on device arrays (checked by the caller): fp16 only."""
+def run_v5(f, w, t, plan, init, tiles: TensorTiles | None = None, max_registers: int | None = None):
+    """v5 on device arrays (checked by the caller): fp16 only (``max_registers``: see v4)."""
     if f.dtype != np.float16:
         raise TypeError(f"implicit_gemm v5 multiplies fp16 on tensor cores; features are {f.dtype}: "
                         "pass float16 features and weights, or run v3 (implicit_gemm_cuda picks it for fp32)")
@@ -851,8 +860,8 @@ def run_v5(f, w, t, plan, init, tiles: TensorTiles | None = None):
     tiles = tiles or v5_tiles(c_in, c_out)
     warps_m, warps_n, _, _ = v5_shape(plan.tile_m, tiles.tile_n)
     blocks = plan.n_tiles * cdiv(c_out, tiles.tile_n)
-    return run_splits(implicit_gemm_v5(plan.tile_m, *tiles), f.view(WORDS[tiles.a_vec]), w.view(WORDS[tiles.b_vec]),
-                      t, plan, init, c_out, f.dtype, 32 * warps_m * warps_n, blocks)
+    return run_splits(implicit_gemm_v5(plan.tile_m, *tiles, max_registers), f.view(WORDS[tiles.a_vec]),
+                      w.view(WORDS[tiles.b_vec]), t, plan, init, c_out, f.dtype, 32 * warps_m * warps_n, blocks)
 
 
 def _ladder_work(ctx):

@@ -145,6 +145,28 @@ def warp_mma(mi: int, ni: int):
                                link=str(MMA_SOURCE))
 
 
+def kernel_options(max_registers: int | None = None) -> dict:
+    """``cuda.jit``'s options for a tensor-core kernel: ``max_registers``, a cap on the
+    registers a thread (None: the compiler's choice; the simulator has no registers,
+    so it gets none).
+
+    Why a cap can pay: an SM has 65,536 32-bit registers (compute capability 8.0
+    to 9.0) shared by the threads of its resident blocks, so a kernel of 128-thread
+    blocks at 158 registers a thread fits 3 blocks an SM, at 128 registers 4. More
+    resident warps hide more of the gathers' latency; what does
+    not fit the cap is spilled to local memory (cached in L1), which costs loads.
+    Whether the trade pays is measured, not assumed
+    (``benchmarks/probes/kernel_resources.py`` reads registers and spills without a
+    GPU; a GPU run times the caps)."""
+    if max_registers is None:
+        return {}
+    if isinstance(max_registers, bool) or not isinstance(max_registers, (int, np.integer)) \
+            or not 16 <= max_registers <= 255:
+        raise ValueError(f"max_registers must be an int from 16 to 255 (a thread's registers), or None; "
+                         f"got {max_registers!r}")
+    return {} if simulating() else {"max_registers": int(max_registers)}
+
+
 FP16_BITS = (np.float16, np.uint16, np.uint32, np.uint64)  # a shared tile's dtypes: fp16 values, or words of them
 
 

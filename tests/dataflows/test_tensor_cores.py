@@ -110,3 +110,36 @@ def test_the_stand_in_adds_each_lanes_share_and_refuses_what_a_gpu_would_get_wro
         _call_stand_in(2, 2, a.ravel().astype(np.float32), b.ravel(), pitch_a, pitch_b, 0, 0, 2)
     with pytest.raises(ValueError, match="whole warps"):
         _call_stand_in(2, 2, a.ravel(), b.ravel(), pitch_a, pitch_b, 0, 0, 2, threads=48)
+
+
+def test_kernel_options_cap_registers_on_a_gpu_and_refuse_bad_caps():
+    """``max_registers`` reaches cuda.jit on a GPU; the simulator has no registers, so
+    there the options are empty; a cap outside 16..255 or not an int is refused
+    everywhere, naming the argument."""
+    assert tc.kernel_options() == {} and tc.kernel_options(None) == {}
+    assert tc.kernel_options(128) == ({} if simulating() else {"max_registers": 128})
+    assert tc.kernel_options(np.int64(96)) == ({} if simulating() else {"max_registers": 96})
+    for bad in (8, 256, 0, -1, 1.5, True, "128"):
+        with pytest.raises(ValueError, match="max_registers must be an int from 16 to 255"):
+            tc.kernel_options(bad)
+
+
+def test_a_register_cap_does_not_change_v4s_output(rng):
+    """v4 with ``max_registers`` (a new kernel: the cap is part of the factory's key)
+    gives v4's output bit for bit (a cap moves values to local memory, never the
+    arithmetic)."""
+    from numba_sc.dataflows import implicit_driver as idr
+    from numba_sc.dataflows import implicit_gemm as ig
+
+    c = idr.TENSOR_CORE_MIN_CHANNELS
+    f = rng.standard_normal((40, c)).astype(np.float16)
+    w = (rng.standard_normal((27, c, c)) / c).astype(np.float16)
+    table = np.where(rng.random((27, 40)) < 0.3, rng.integers(0, 40, (27, 40)), -1).astype(np.int32)
+    plan = idr.implicit_plan(table)
+    args = (to_device(f), to_device(w), to_device(table), plan, None)
+    plain, capped = to_host(ig.run_v4(*args)), to_host(ig.run_v4(*args, max_registers=96))
+    np.testing.assert_array_equal(capped.view(np.uint16), plain.view(np.uint16))
+    assert ig.implicit_gemm_v4(plan.tile_m, *ig.tensor_tiles(c, c), 96) is not ig.implicit_gemm_v4(
+        plan.tile_m, *ig.tensor_tiles(c, c))
+    with pytest.raises(ValueError, match="max_registers"):
+        ig.run_v4(*args, max_registers=300)
