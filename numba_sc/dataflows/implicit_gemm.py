@@ -547,7 +547,7 @@ def store_warp_tile(mi: int, ni: int):
 
 @cached
 def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: int,
-                     max_registers: int | None = None):
+                     max_registers: int | None = None, prefetch: bool = True):
     """v4: v3's kernel with the tile's multiply-accumulate on the tensor cores (fp16).
 
     Everything around the arithmetic is v3's: a block per (tile of ``tile_m`` row
@@ -583,8 +583,15 @@ def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
     blocks an SM holds, and this kernel is register-bound: see
     :func:`numba_sc.dataflows.tensor_cores.kernel_options` and
     ``benchmarks/probes/kernel_resources.py``, which reads a rung's registers,
-    spills and shared memory without a GPU.
+    spills and shared memory without a GPU. ``prefetch=False`` (the library's is
+    True) loads each chunk after the previous chunk's math instead of during it: the
+    next chunk's words and their addresses no longer stay in registers across the
+    ``mma``, so a thread needs fewer (``kernel_resources.json``) and an SM holds more
+    blocks, at the price of waiting for every chunk's loads. Same sums in the same
+    order: the output is the same bit for bit.
     """
+    if not isinstance(prefetch, bool):
+        raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
     warps_m, warps_n, mi, ni = v4_shape(tile_m, tile_n)
     threads = 32 * warps_m * warps_n
     wm, wn = 16 * mi, 8 * ni  # the warp tile
@@ -638,7 +645,7 @@ def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
                 o = outs[r]
                 srcs[r] = table[k, o] if o >= 0 else -1
             for c0w in range(0, c_in_w, kw_a):
-                if c0w == 0:
+                if c0w == 0 or not prefetch:
                     load_rows(fw, srcs, c0w, tid, a_reg)
                     load_weights(ww, k, c0w * a_vec, n0 // b_vec, tid, b_reg)
                 for r in range(a_loads):
@@ -651,7 +658,7 @@ def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
                         kk = e // kw_b
                         b_s[kk * b_pitch_w + (e - kk * kw_b)] = b_reg[r]
                 cuda.syncthreads()
-                if c0w + kw_a < c_in_w:  # the next chunk's loads, in flight during the math
+                if prefetch and c0w + kw_a < c_in_w:  # the next chunk's loads, in flight during the math
                     load_rows(fw, srcs, c0w + kw_a, tid, a_reg)
                     load_weights(ww, k, (c0w + kw_a) * a_vec, n0 // b_vec, tid, b_reg)
                 mma(data_pointer(acc), data_pointer(a_s), data_pointer(b_s), int32(a_pitch), int32(b_pitch),
@@ -835,8 +842,12 @@ def run_v3(f, w, t, plan, init, tiles: Tiles | None = None):
                        blocks)
 
 
-def run_v4(f, w, t, plan, init, tiles: TensorTiles | None = None, max_registers: int | None = None):
-    """v4 on device arrays (checked by the caller): fp16 only (``max_registers``: see v4)."""
+def run_v4(f, w, t, plan, init, tiles: TensorTiles | None = None, max_registers: int | None = None,
+           prefetch: bool = True):
+    """v4 on device arrays (checked by the caller): fp16 only (``max_registers``,
+    ``prefetch``: see v4)."""
+    if not isinstance(prefetch, bool):  # (here too: the cached factory would take 0 for False)
+        raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
     if f.dtype != np.float16:
         raise TypeError(f"implicit_gemm v4 multiplies fp16 on tensor cores; features are {f.dtype}: "
                         "pass float16 features and weights, or run v3 (implicit_gemm_cuda picks it for fp32)")
@@ -847,8 +858,8 @@ def run_v4(f, w, t, plan, init, tiles: TensorTiles | None = None, max_registers:
     # the loads move whole words of a_vec (b_vec) fp16 values: the same memory, viewed
     fw = f.view(WORDS[tiles.a_vec])
     ww = w.view(WORDS[tiles.b_vec])
-    return run_splits(implicit_gemm_v4(plan.tile_m, *tiles, max_registers), fw, ww, t, plan, init, c_out, f.dtype,
-                       32 * warps_m * warps_n, blocks)
+    return run_splits(implicit_gemm_v4(plan.tile_m, *tiles, max_registers, prefetch), fw, ww, t, plan, init, c_out,
+                      f.dtype, 32 * warps_m * warps_n, blocks)
 
 
 def run_v5(f, w, t, plan, init, tiles: TensorTiles | None = None, max_registers: int | None = None):
