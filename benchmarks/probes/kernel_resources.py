@@ -15,7 +15,8 @@ what numba-cuda does when it first launches v4 or v5:
    for ``cuda.jit(max_registers=N)`` (:func:`numba_sc.dataflows.tensor_cores.kernel_options`).
 
 Each rung at each channel count (the library's tiles for it, 64-row tiles), v4 also
-without its prefetch (``prefetch=False``), and each register cap; the blocks an SM from registers and from shared memory follow from the
+without its prefetch (``prefetch=False``) and with its rows' only (``prefetch="rows"``),
+and each register cap; the blocks an SM from registers and from shared memory follow from the
 figures (an SM has 65,536 registers, given out to a warp 256 at a time, and, on compute
 capability 9.0, 227 KB of shared memory its blocks may use). Run from the checkout's root on a machine with the CUDA
 toolkit (``nvcc``) and ``cuda-bindings`` (NVVM and nvJitLink)::
@@ -112,8 +113,10 @@ def main():
 
     rows = []
     late_v4 = functools.partial(ig.implicit_gemm_v4, prefetch=False)  # each chunk loaded after the last one's math
+    rows_v4 = functools.partial(ig.implicit_gemm_v4, prefetch="rows")  # only the gathered rows loaded early
     for rung, maker, tiles_for, shape in (("v4", ig.implicit_gemm_v4, ish.tensor_tiles, ish.v4_shape),
                                           ("v4 prefetch=False", late_v4, ish.tensor_tiles, ish.v4_shape),
+                                          ("v4 prefetch='rows'", rows_v4, ish.tensor_tiles, ish.v4_shape),
                                           ("v5", ig.implicit_gemm_v5, ish.v5_tiles, ish.v5_shape)):
         for c in (int(x) for x in args.channels.split(",")):
             tiles = tiles_for(c, c)
@@ -133,7 +136,7 @@ def main():
                          blocks_by_registers=by_regs, blocks_by_shared=by_shared, blocks_an_sm=blocks,
                          warps_an_sm=blocks * threads // 32)
                 rows.append(r)
-                print(f"{rung:17s} C={c:4d} tiles {tuple(tiles)} {threads} threads, cap {str(cap):>4s}: "
+                print(f"{rung:18s} C={c:4d} tiles {tuple(tiles)} {threads} threads, cap {str(cap):>4s}: "
                       f"{r['registers']:3d} registers, spills {r['spill_stores']:4d}/{r['spill_loads']:4d} B, "
                       f"shared {r['shared']:6d} B -> {r['blocks_an_sm']} blocks, {r['warps_an_sm']} warps an SM "
                       f"(registers {by_regs}, shared {by_shared})", flush=True)

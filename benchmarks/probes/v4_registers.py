@@ -1,11 +1,11 @@
-"""v4 (and v5) compiled with register caps, and v4 without its prefetch, timed against v4.
+"""v4 (and v5) compiled with register caps, and v4 with less prefetch, timed against v4.
 
 Nsight Compute found v4 register-bound (``ncu_implicit_v4_v5.json``: 158 registers a
 thread, 3 blocks of 128 threads an SM, 16 % of the warp slots in use), and
 ``kernel_resources.py`` reads, without a GPU, what a cap does: at 128 registers 4 blocks
 an SM for 36 bytes of spills a thread, at 96 five for 168 bytes, and v4 without its
-prefetch (``prefetch=False``) needs 126 registers, 4 blocks an SM, spilling nothing
-(``kernel_resources.json``). Whether more warps are worth the spills, or the waits, is a
+prefetch (``prefetch=False``) needs 126 registers, with only its gathered rows early
+(``prefetch="rows"``) 128: 4 blocks an SM, spilling nothing (``kernel_resources.json``). Whether more warps are worth the spills, or the waits, is a
 measurement::
 
     . benchmarks/gpu_env.sh
@@ -36,8 +36,9 @@ def main():
     ap.add_argument("--data", default=None, help="folder with the scans (default: see common.find_data)")
     ap.add_argument("--cloud", default="kitti", choices=("kitti", "dense"))
     ap.add_argument("--channels", default="32,64,128")
-    ap.add_argument("--rungs", default="v4,v4late,v5", help="v4, v5, v4late (v4 with prefetch=False)")
-    ap.add_argument("--caps", default="none,128,96", help="register caps (none: the compiler's choice)")
+    ap.add_argument("--rungs", default="v4,v4late,v4rows,v5",
+                    help="v4, v5, v4late (v4 with prefetch=False), v4rows (prefetch='rows')")
+    ap.add_argument("--caps", default="none,128", help="register caps (none: the compiler's choice)")
     ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default="v4_registers.json")
@@ -54,7 +55,8 @@ def main():
     base = Context(coords, 64)
     caps = [None if c == "none" else int(c) for c in args.caps.split(",")]
     runs = {"v4": ig.run_v4, "v5": ig.run_v5,  # and v4 loading each chunk after the last one's math
-            "v4late": lambda *a, **k: ig.run_v4(*a, prefetch=False, **k)}
+            "v4late": lambda *a, **k: ig.run_v4(*a, prefetch=False, **k),
+            "v4rows": lambda *a, **k: ig.run_v4(*a, prefetch="rows", **k)}
     rows = []
     for c in (int(x) for x in args.channels.split(",")):
         work = ig.LADDER.workload(dataclasses.replace(base, channels=c, dtype="float16"))

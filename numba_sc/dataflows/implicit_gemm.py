@@ -545,9 +545,15 @@ def store_warp_tile(mi: int, ni: int):
     return store
 
 
+def check_prefetch(prefetch):
+    """v4's ``prefetch``: True (rows and weights), ``"rows"`` or False."""
+    if not (prefetch is True or prefetch is False or prefetch == "rows"):
+        raise TypeError(f"prefetch must be True, False or 'rows', got {prefetch!r}")
+
+
 @cached
 def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: int,
-                     max_registers: int | None = None, prefetch: bool = True):
+                     max_registers: int | None = None, prefetch: bool | str = True):
     """v4: v3's kernel with the tile's multiply-accumulate on the tensor cores (fp16).
 
     Everything around the arithmetic is v3's: a block per (tile of ``tile_m`` row
@@ -587,11 +593,14 @@ def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
     True) loads each chunk after the previous chunk's math instead of during it: the
     next chunk's words and their addresses no longer stay in registers across the
     ``mma``, so a thread needs fewer (``kernel_resources.json``) and an SM holds more
-    blocks, at the price of waiting for every chunk's loads. Same sums in the same
-    order: the output is the same bit for bit.
+    blocks, at the price of waiting for every chunk's loads. ``prefetch="rows"``
+    keeps only the gathered rows in flight (the loads whose addresses the map
+    decides) and loads the weights, the same for every block and so likely in L2,
+    when they are needed. Same sums in the same order: the output is the same bit
+    for bit whatever the choice.
     """
-    if not isinstance(prefetch, bool):
-        raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
+    check_prefetch(prefetch)
+    early_rows, early_weights = prefetch is not False, prefetch is True
     warps_m, warps_n, mi, ni = v4_shape(tile_m, tile_n)
     threads = 32 * warps_m * warps_n
     wm, wn = 16 * mi, 8 * ni  # the warp tile
@@ -645,8 +654,9 @@ def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
                 o = outs[r]
                 srcs[r] = table[k, o] if o >= 0 else -1
             for c0w in range(0, c_in_w, kw_a):
-                if c0w == 0 or not prefetch:
-                    load_rows(fw, srcs, c0w, tid, a_reg)
+                if c0w == 0 or not early_weights:  # (weights early: rows early too)
+                    if c0w == 0 or not early_rows:
+                        load_rows(fw, srcs, c0w, tid, a_reg)
                     load_weights(ww, k, c0w * a_vec, n0 // b_vec, tid, b_reg)
                 for r in range(a_loads):
                     e = tid + threads * r
@@ -658,9 +668,11 @@ def implicit_gemm_v4(tile_m: int, tile_n: int, tile_k: int, a_vec: int, b_vec: i
                         kk = e // kw_b
                         b_s[kk * b_pitch_w + (e - kk * kw_b)] = b_reg[r]
                 cuda.syncthreads()
-                if prefetch and c0w + kw_a < c_in_w:  # the next chunk's loads, in flight during the math
-                    load_rows(fw, srcs, c0w + kw_a, tid, a_reg)
-                    load_weights(ww, k, (c0w + kw_a) * a_vec, n0 // b_vec, tid, b_reg)
+                if c0w + kw_a < c_in_w:  # the next chunk's loads, in flight during the math
+                    if early_rows:
+                        load_rows(fw, srcs, c0w + kw_a, tid, a_reg)
+                    if early_weights:
+                        load_weights(ww, k, (c0w + kw_a) * a_vec, n0 // b_vec, tid, b_reg)
                 mma(data_pointer(acc), data_pointer(a_s), data_pointer(b_s), int32(a_pitch), int32(b_pitch),
                     int32(row0), int32(col0), int32(k_steps))
                 cuda.syncthreads()
@@ -843,11 +855,10 @@ def run_v3(f, w, t, plan, init, tiles: Tiles | None = None):
 
 
 def run_v4(f, w, t, plan, init, tiles: TensorTiles | None = None, max_registers: int | None = None,
-           prefetch: bool = True):
+           prefetch: bool | str = True):
     """v4 on device arrays (checked by the caller): fp16 only (``max_registers``,
     ``prefetch``: see v4)."""
-    if not isinstance(prefetch, bool):  # (here too: the cached factory would take 0 for False)
-        raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
+    check_prefetch(prefetch)  # (here too: the cached factory would take 0 for False)
     if f.dtype != np.float16:
         raise TypeError(f"implicit_gemm v4 multiplies fp16 on tensor cores; features are {f.dtype}: "
                         "pass float16 features and weights, or run v3 (implicit_gemm_cuda picks it for fp32)")
