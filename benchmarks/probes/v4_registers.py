@@ -15,9 +15,10 @@ measurement::
 The ladder's layer (one 3x3x3 submanifold layer C -> C, fp16, the plan's 64-row tiles),
 each contender ``run_v4`` / ``run_v5`` with ``max_registers`` (:func:`numba_sc.dataflows.
 tensor_cores.kernel_options`); CUDA events around each call, the contenders interleaved
-round by round, medians after a warm-up. Every capped output must equal its rung's
-uncapped output bit for bit (a cap moves values between registers and local memory,
-never changes the arithmetic). Never runs in CI.
+round by round, medians after a warm-up, each printed with the first rung's uncapped time
+over it (above 1: faster). Every output must equal uncapped v4's bit for bit (v5's: its
+own uncapped one's): a cap moves values between registers and local memory, a later load
+moves a wait, neither changes the arithmetic. Never runs in CI.
 """
 import argparse
 import dataclasses
@@ -54,20 +55,27 @@ def main():
     coords = scan_coords(find_data(args.data), "kitti") if args.cloud == "kitti" else dense_coords()
     base = Context(coords, 64)
     caps = [None if c == "none" else int(c) for c in args.caps.split(",")]
-    runs = {"v4": ig.run_v4, "v5": ig.run_v5,  # and v4 loading each chunk after the last one's math
-            "v4late": lambda *a, **k: ig.run_v4(*a, prefetch=False, **k),
-            "v4rows": lambda *a, **k: ig.run_v4(*a, prefetch="rows", **k)}
+    if None not in caps:
+        ap.error("--caps must include none: each capped output is checked against the uncapped one")
+    runs = {"v4": ig.run_v4, "v5": ig.run_v5,
+            "v4late": lambda *a, **k: ig.run_v4(*a, prefetch=False, **k),  # each chunk after the last one's math
+            "v4rows": lambda *a, **k: ig.run_v4(*a, prefetch="rows", **k)}  # only the gathered rows early
+    rungs = args.rungs.split(",")
+    if not set(rungs) <= set(runs):
+        ap.error(f"--rungs must name some of {sorted(runs)}, got {args.rungs!r}")
     rows = []
     for c in (int(x) for x in args.channels.split(",")):
         work = ig.LADDER.workload(dataclasses.replace(base, channels=c, dtype="float16"))
         f, w = to_device(work["features"]), to_device(work["weight"])
-        t, plan, init = to_device(work["km"].table), work["implicit_plan"], work["init"]
+        t, plan = to_device(work["km"].table), work["implicit_plan"]
+        init = None if work["init"] is None else to_device(work["init"])  # (once: no copy in the timed calls)
         calls = {(r, cap): (lambda r=r, cap=cap: runs[r](f, w, t, plan, init, max_registers=cap))
-                 for r in args.rungs.split(",") for cap in caps}
-        for (r, cap), call in calls.items():  # compile, and check against the rung's uncapped output
-            got, want = cupy.asnumpy(call()), cupy.asnumpy(calls[r, None]())
+                 for r in rungs for cap in caps}
+        for (r, cap), call in calls.items():  # compile, and check against the uncapped output: v4's for
+            same = ("v4", None) if r.startswith("v4") and "v4" in rungs else (r, None)  # v4's variants
+            got, want = cupy.asnumpy(call()), cupy.asnumpy(calls[same]())
             if not np.array_equal(got.view(np.uint16), want.view(np.uint16)):
-                raise AssertionError(f"{r} with max_registers={cap} differs from {r} uncapped at C={c}")
+                raise AssertionError(f"{r} with max_registers={cap} differs from {same[0]} uncapped at C={c}")
         times = {k: [] for k in calls}
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
         for i in range(args.warmup + args.rounds):
@@ -81,9 +89,9 @@ def main():
                     times[key].append(cupy.cuda.get_elapsed_time(start, stop) * 1e3)
         for (r, cap), ts in times.items():
             rows.append(dict(channels=c, rung=r, cap=cap, gpu_us=float(np.median(ts)), all_us=[float(x) for x in ts]))
-        first = times[args.rungs.split(",")[0], None]
-        print(f"C={c:4d}: " + "  ".join(f"{r} cap {cap}: {np.median(ts):8.1f} us" for (r, cap), ts in times.items())
-              + f"  (vs {args.rungs.split(',')[0]} uncapped {np.median(first):.1f} us)", flush=True)
+        first = np.median(times[rungs[0], None])
+        print(f"C={c:4d}: " + "  ".join(f"{r} cap {cap}: {np.median(ts):7.1f} us ({first / np.median(ts):.2f}x)"
+                                        for (r, cap), ts in times.items()), flush=True)
     write_json(args.out, {"cloud": args.cloud, "points": int(len(coords)), "rows": rows, "rounds": args.rounds,
                           "recorded": recorded(args.note)})
     print(f"results: {args.out}")
