@@ -27,7 +27,7 @@ from numba_sc.dataflows import implicit_driver as idr
 from numba_sc.dataflows import implicit_gemm as ig
 from numba_sc.dataflows import implicit_shapes as ish
 from numba_sc.dataflows import tensor_cores as tc
-from numba_sc.core.backend import to_host
+from numba_sc.core.backend import to_device, to_host
 from numba_sc.core.conventions import MASK_BITS
 from numba_sc.core.rungs import Ladder
 from numba_sc.tools import ladder
@@ -390,6 +390,32 @@ def test_v4_equals_the_reference(rng, case):
     assert_close(got, oracle(f, w, table, init, skip), RTOL16)
     if case is V4_CASES[0]:  # the ladder's entry point runs the same kernel (once: v4 is slow on the CPU)
         np.testing.assert_array_equal(to_host(idr.implicit_gemm_rung("v4", f, w, table, plan, init)), got)
+
+
+def test_a_register_cap_or_no_prefetch_does_not_change_v4s_output(rng):
+    """v4 with ``max_registers`` (a new kernel: the cap is part of the factory's key)
+    or with ``prefetch=False`` or ``"rows"`` gives v4's output bit for bit (a cap moves
+    values to local memory, a later load moves a wait; neither changes the arithmetic). The
+    channels span two chunks, so the prefetch has a next chunk to load."""
+    c, c_out = 64, 16
+    assert c == 2 * ig.tensor_tiles(c, c_out).tile_k  # two chunks of input channels
+    table, f, w = layer(rng, n=40, extent=5, c_in=c, c_out=c_out, dtype=np.float16)
+    plan = idr.implicit_plan(table)
+    args = (to_device(f), to_device(w), to_device(table), plan, None)
+    plain, capped = to_host(ig.run_v4(*args)), to_host(ig.run_v4(*args, max_registers=96))
+    np.testing.assert_array_equal(capped.view(np.uint16), plain.view(np.uint16))
+    # and without the next chunk's loads in flight during the math, or with its rows only:
+    # the same sums in the same order
+    for prefetch in (False, "rows"):
+        late = to_host(ig.run_v4(*args, prefetch=prefetch))
+        np.testing.assert_array_equal(late.view(np.uint16), plain.view(np.uint16), err_msg=str(prefetch))
+    for bad in (0, 1, "weights", None):
+        with pytest.raises(TypeError, match="prefetch must be True, False or 'rows'"):
+            ig.run_v4(*args, prefetch=bad)
+    assert ig.implicit_gemm_v4(plan.tile_m, *ig.tensor_tiles(c, c_out), 96) is not ig.implicit_gemm_v4(
+        plan.tile_m, *ig.tensor_tiles(c, c_out))
+    with pytest.raises(ValueError, match="max_registers"):
+        ig.run_v4(*args, max_registers=300)
 
 
 def test_the_library_runs_v4_for_wide_fp16_layers(rng):

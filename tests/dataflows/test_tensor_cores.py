@@ -123,33 +123,3 @@ def test_kernel_options_cap_registers_on_a_gpu_and_refuse_bad_caps():
         with pytest.raises(ValueError, match="max_registers must be an int from 16 to 255"):
             tc.kernel_options(bad)
 
-
-def test_a_register_cap_or_no_prefetch_does_not_change_v4s_output(rng):
-    """v4 with ``max_registers`` (a new kernel: the cap is part of the factory's key)
-    or with ``prefetch=False`` or ``"rows"`` gives v4's output bit for bit (a cap moves
-    values to local memory, a later load moves a wait; neither changes the arithmetic). The
-    channels span two chunks, so the prefetch has a next chunk to load."""
-    from numba_sc.dataflows import implicit_driver as idr
-    from numba_sc.dataflows import implicit_gemm as ig
-
-    c, c_out = 64, 16
-    assert c == 2 * ig.tensor_tiles(c, c_out).tile_k  # two chunks of input channels
-    f = rng.standard_normal((40, c)).astype(np.float16)
-    w = (rng.standard_normal((27, c, c_out)) / c).astype(np.float16)
-    table = np.where(rng.random((27, 40)) < 0.3, rng.integers(0, 40, (27, 40)), -1).astype(np.int32)
-    plan = idr.implicit_plan(table)
-    args = (to_device(f), to_device(w), to_device(table), plan, None)
-    plain, capped = to_host(ig.run_v4(*args)), to_host(ig.run_v4(*args, max_registers=96))
-    np.testing.assert_array_equal(capped.view(np.uint16), plain.view(np.uint16))
-    # and without the next chunk's loads in flight during the math, or with its rows only:
-    # the same sums in the same order
-    for prefetch in (False, "rows"):
-        late = to_host(ig.run_v4(*args, prefetch=prefetch))
-        np.testing.assert_array_equal(late.view(np.uint16), plain.view(np.uint16), err_msg=str(prefetch))
-    for bad in (0, 1, "weights", None):
-        with pytest.raises(TypeError, match="prefetch must be True, False or 'rows'"):
-            ig.run_v4(*args, prefetch=bad)
-    assert ig.implicit_gemm_v4(plan.tile_m, *ig.tensor_tiles(c, c_out), 96) is not ig.implicit_gemm_v4(
-        plan.tile_m, *ig.tensor_tiles(c, c_out))
-    with pytest.raises(ValueError, match="max_registers"):
-        ig.run_v4(*args, max_registers=300)
