@@ -93,7 +93,7 @@ def main():
     ap.add_argument("--out", default="kernel_resources.json")
     args = ap.parse_args()
 
-    from numba import cuda, types
+    from numba import cuda
 
     from numba_sc.dataflows import implicit_gemm as ig
     from numba_sc.dataflows import implicit_shapes as ish
@@ -106,11 +106,6 @@ def main():
         obj = Path(tmp) / "mma.o"
         subprocess.run(["nvcc", f"-arch={arch}", "-dc", "-dlto", str(MMA_SOURCE), "-o", str(obj)], check=True)
         mma_object = obj.read_bytes()
-    word = {1: types.uint16, 2: types.uint32, 4: types.uint64}
-
-    def array(dtype, ndim):
-        return types.Array(dtype, ndim, "C")
-
     rows = []
     late_v4 = functools.partial(ig.implicit_gemm_v4, prefetch=False)  # each chunk loaded after the last one's math
     rows_v4 = functools.partial(ig.implicit_gemm_v4, prefetch="rows")  # only the gathered rows loaded early
@@ -122,11 +117,9 @@ def main():
             tiles = tiles_for(c, c)
             warps_m, warps_n, _, _ = shape(args.tile_m, tiles.tile_n)
             threads = 32 * warps_m * warps_n
-            sig = (array(word[tiles.a_vec], 2), array(word[tiles.b_vec], 3), array(types.int32, 2),
-                   array(types.int32, 1), array(types.uint32, 2), types.int64, types.int64,
-                   array(types.float16, 2), types.boolean, array(types.float16, 2))
             kernel = maker(args.tile_m, *tiles).py_func
-            ltoir, _ = cuda.compile(kernel, sig, device=False, abi="numba", cc=cc, output="ltoir")
+            ltoir, _ = cuda.compile(kernel, ish.tensor_core_signature(tiles), device=False, abi="numba", cc=cc,
+                                    output="ltoir")
             for cap in caps:
                 r = ptxas_report(lto_link(ltoir, mma_object, arch, cap))
                 by_regs = blocks_by_registers(r["registers"], threads)

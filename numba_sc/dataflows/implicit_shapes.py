@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+from numba import from_dtype, types
 
 from ..core import conventions as cv
 from ..core.backend import to_device, to_host
@@ -106,6 +107,19 @@ def v4_shape(tile_m: int, tile_n: int) -> tuple:
     warps_n = max(1, tile_n // 32)
     warps_m = max(1, min(tile_m // 16, 4 // warps_n))
     return warps_m, warps_n, tile_m // warps_m // 16, tile_n // warps_n // 8
+
+
+def tensor_core_signature(tiles: TensorTiles) -> tuple:
+    """The argument types of a v4 or v5 kernel with these tiles, to compile it without
+    launching it (``numba.cuda.compile_ptx``, or LTO-IR to link with ``mma.cu``): the
+    features and weights as words (:data:`WORDS`), the table, one split's order and
+    tile masks, its offsets ``k0, k1``, ``base``, ``has_base`` and the fp16 output."""
+    def array(dtype, ndim):
+        return types.Array(dtype, ndim, "C")
+
+    return (array(from_dtype(WORDS[tiles.a_vec]), 2), array(from_dtype(WORDS[tiles.b_vec]), 3),
+            array(types.int32, 2), array(types.int32, 1), array(types.uint32, 2), types.int64, types.int64,
+            array(types.float16, 2), types.boolean, array(types.float16, 2))
 
 
 def v5_tiles(c_in: int, c_out: int) -> TensorTiles:

@@ -153,11 +153,10 @@ def kernel_options(max_registers: int | None = None) -> dict:
     Why a cap can pay: an SM has 65,536 32-bit registers (compute capability 8.0
     to 9.0) shared by the threads of its resident blocks, so a kernel of 128-thread
     blocks at 158 registers a thread fits 3 blocks an SM, at 128 registers 4. More
-    resident warps hide more of the gathers' latency; what does
-    not fit the cap is spilled to local memory (cached in L1), which costs loads.
-    Whether the trade pays is measured, not assumed
-    (``benchmarks/probes/kernel_resources.py`` reads registers and spills without a
-    GPU; a GPU run times the caps)."""
+    resident warps hide more of the gathers' latency; what does not fit the cap is
+    spilled to local memory (cached in L1), which costs loads. Whether the trade pays
+    is measured, not assumed (``benchmarks/probes/kernel_resources.py`` reads registers
+    and spills without a GPU; a GPU run times the caps)."""
     if max_registers is None:
         return {}
     if isinstance(max_registers, bool) or not isinstance(max_registers, (int, np.integer)) \

@@ -9,7 +9,7 @@ import sys
 
 os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # before numba is imported
 
-from numba import cuda, types  # noqa: E402
+from numba import cuda  # noqa: E402
 
 try:
     from numba.cuda.cudadrv import nvvm
@@ -22,21 +22,11 @@ except Exception as err:  # (a machine without the CUDA toolkit's NVVM)
 from numba_sc.dataflows import implicit_gemm as ig  # noqa: E402
 from numba_sc.dataflows import implicit_shapes as ish  # noqa: E402
 
-WORD = {1: types.uint16, 2: types.uint32, 4: types.uint64}
-
-
-def array(dtype, ndim):
-    return types.Array(dtype, ndim, "C")
-
-
 rows = []
 for rung, maker, tiles_for in (("v4", ig.implicit_gemm_v4, ish.tensor_tiles), ("v5", ig.implicit_gemm_v5, ish.v5_tiles)):
     for tile_m, c_in, c_out in ((64, 64, 64), (64, 128, 128), (16, 3, 5), (128, 24, 40)):
         tiles = tiles_for(c_in, c_out)
-        sig = (array(WORD[tiles.a_vec], 2), array(WORD[tiles.b_vec], 3), array(types.int32, 2), array(types.int32, 1),
-               array(types.uint32, 2), types.int64, types.int64, array(types.float16, 2), types.boolean,
-               array(types.float16, 2))
-        ptx, _ = cuda.compile_ptx(maker(tile_m, *tiles).py_func, sig, cc=(8, 0))
+        ptx, _ = cuda.compile_ptx(maker(tile_m, *tiles).py_func, ish.tensor_core_signature(tiles), cc=(8, 0))
         rows.append(dict(rung=rung, tile_m=tile_m, tiles=list(tiles),
                          calls=sorted(set(re.findall(r"implicit_mma_m\d+n\d+", ptx))),
                          barriers=ptx.count("bar.sync"),
