@@ -99,8 +99,12 @@ def main():
     from numba_sc.dataflows import implicit_shapes as ish
     from numba_sc.dataflows.tensor_cores import MMA_SOURCE
 
+    if not re.fullmatch(r"\d+\.\d", args.cc):
+        ap.error(f"--cc must be a compute capability such as 9.0, got {args.cc!r}")
     cc = tuple(int(x) for x in args.cc.split("."))
     arch = f"sm_{cc[0]}{cc[1]}"
+    if not re.fullmatch(r"(none|\d+)(,(none|\d+))*", args.caps):
+        ap.error(f"--caps must be register counts or none, comma-separated (none,128), got {args.caps!r}")
     caps = [None if c == "none" else int(c) for c in args.caps.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         obj = Path(tmp) / "mma.o"

@@ -22,6 +22,7 @@ moves a wait, neither changes the arithmetic. Never runs in CI.
 """
 import argparse
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -45,6 +46,11 @@ def main():
     ap.add_argument("--out", default="v4_registers.json")
     ap.add_argument("--note", default="", help="what code this run measures (recorded)")
     args = ap.parse_args()
+    if not re.fullmatch(r"(none|\d+)(,(none|\d+))*", args.caps):
+        ap.error(f"--caps must be register counts or none, comma-separated (none,128), got {args.caps!r}")
+    caps = [None if c == "none" else int(c) for c in args.caps.split(",")]
+    if None not in caps:
+        ap.error("--caps must include none: each capped output is checked against the uncapped one")
 
     import cupy
 
@@ -54,9 +60,6 @@ def main():
 
     coords = scan_coords(find_data(args.data), "kitti") if args.cloud == "kitti" else dense_coords()
     base = Context(coords, 64)
-    caps = [None if c == "none" else int(c) for c in args.caps.split(",")]
-    if None not in caps:
-        ap.error("--caps must include none: each capped output is checked against the uncapped one")
     runs = {"v4": ig.run_v4, "v5": ig.run_v5,
             "v4late": lambda *a, **k: ig.run_v4(*a, prefetch=False, **k),  # each chunk after the last one's math
             "v4rows": lambda *a, **k: ig.run_v4(*a, prefetch="rows", **k)}  # only the gathered rows early
